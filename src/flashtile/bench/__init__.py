@@ -1,0 +1,1 @@
+"""Benchmarks: `flashtile bench prefill | decode`; results under benchmarks/results/<gpu>/."""

@@ -1,0 +1,74 @@
+"""Benchmark harness: medians from do_bench, the two ceilings, result files tagged with versions.
+
+Protocol (BENCHMARKS.md): peers are timed in the same process and run as ours; every result file
+names the GPU, torch and triton versions, the date and the exact command.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+
+import torch
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def gpu_slug() -> str:
+    """Folder name for benchmarks/results/<gpu>/, e.g. 'h100' for 'NVIDIA H100 80GB HBM3'."""
+    name = gpu_name().lower()
+    for known in ("h100", "h200", "a100", "b200", "l40s", "a10g", "l4"):
+        if known in name:
+            return known
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "gpu": gpu_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+
+
+def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of fn() (triton.testing.do_bench; warmup and rep are milliseconds)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def ceilings() -> dict:
+    """The two ceilings of this GPU, measured now: copy GB/s (read + write) and bf16 matmul TFLOP/s."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    mm_ms = bench_ms(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_GBps": 2 * n / copy_ms * 1e-6, "matmul_bf16_TFLOPs": 2 * m**3 / mm_ms * 1e-9}
+
+
+def write_result(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
