@@ -1,9 +1,87 @@
-"""Shared Triton helpers and constants for every kernel file."""
+"""Shared Triton helpers and constants for every kernel file.
+
+Masks follow flash-attn 2.x: aligned to the bottom-right corner, so query i sits at key position
+i + sk - sq ("the diagonal"), and may see key j iff
+    j >= i + (sk - sq) - left    (when HAS_LEFT)
+    j <= i + (sk - sq) + right   (when HAS_RIGHT; causal is right = 0).
+Scores live in the log2 domain inside the kernels: s2 = log2(e) * score, so exp2 replaces exp.
+"""
 
 import math
 
 import triton
 import triton.language as tl
 
-LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
-LN2 = math.log(2.0)  # ln(x) = log2(x) * LN2
+# tl.constexpr so jit code can read them; launchers use .value
+LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(math.log(2.0))  # ln(x) = log2(x) * LN2
+
+
+@triton.jit
+def visible(i, j, diag_offset, n_keys, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """May query row i see key j? i and j broadcast against each other (either may be rows)."""
+    diag = i + diag_offset
+    ok = j < n_keys
+    if HAS_LEFT:
+        ok = ok & (j >= diag - left)
+    if HAS_RIGHT:
+        ok = ok & (j <= diag + right)
+    return ok
+
+
+@triton.jit
+def block_range(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, n_inner, offset,
+                left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Which inner blocks an outer block [start, start + BLOCK_OUTER) meets, in three phases.
+
+    Outer index o sees inner index x iff o + offset - left <= x <= o + offset + right (each side
+    only when bounded). Returns (lo, full_lo, full_hi, hi): blocks in [lo, full_lo) and
+    [full_hi, hi) need the mask; [full_lo, full_hi) are visible to every outer row and fully inside
+    n_inner, so they run without one. Blocks outside [lo, hi) are never touched (causal skipping).
+    The forward and dQ loops call this with (rows over keys, offset = sk - sq); the dK/dV loop
+    with (keys over rows, offset = sq - sk, left and right swapped).
+    """
+    last = start + BLOCK_OUTER - 1
+    lo = 0
+    hi = n_inner
+    full_lo = 0
+    full_hi = (n_inner // BLOCK_INNER) * BLOCK_INNER
+    if HAS_LEFT:
+        lo = tl.maximum(start + offset - left, 0) // BLOCK_INNER * BLOCK_INNER
+        full_lo = tl.maximum(last + offset - left, 0)
+        full_lo = (full_lo + BLOCK_INNER - 1) // BLOCK_INNER * BLOCK_INNER
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(last + offset + right + 1, 0), n_inner)
+        full_hi = tl.minimum(full_hi, tl.maximum(start + offset + right + 1, 0) // BLOCK_INNER * BLOCK_INNER)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2 (no tanh in triton.language): 1 - 2 / (1 + e^{2x}); exact limits at +-inf."""
+    return 1.0 - 2.0 / (1.0 + tl.exp2(x * (2.0 * LOG2E)))
+
+
+@triton.jit
+def scores_log2(qk, i, j, qk_scale, softcap, slope, diag_offset,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw q.k products -> scores in the log2 domain, and the softcap derivative factor.
+
+    Without softcap, qk_scale = softmax_scale * log2(e) folds both multiplies into one. With
+    softcap, qk_scale = softmax_scale / softcap and the cap is applied before the log2(e) factor.
+    Returns (s2, dcap) where dcap = d(score)/d(scaled qk) = 1 - tanh^2 (1.0 without softcap).
+    """
+    if HAS_SOFTCAP:
+        t = tanh(qk * qk_scale)
+        s2 = t * (softcap * LOG2E)
+        dcap = 1.0 - t * t
+    else:
+        s2 = qk * qk_scale
+        dcap = 1.0
+    if HAS_ALIBI:
+        dist = tl.abs(i + diag_offset - j).to(tl.float32)
+        s2 = s2 - (slope * LOG2E) * dist
+    return s2, dcap

@@ -1,0 +1,302 @@
+"""FA2-style backward: recompute P from the saved LSE, no atomics, deterministic.
+
+Three launches:
+  1. delta = rowsum(dO * O)                                   (b, h, sq), the FA2 preprocess
+  2. dK, dV: one program per (K/V block, batch x kv head); it loops over the query heads of its
+     GQA group and over their Q blocks, so the group reduction happens in registers.
+  3. dQ: one program per (Q block, batch x head); it loops over K/V blocks.
+Both loops skip the blocks that the mask hides and run the fully visible ones without mask work
+(ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops import configs
+from flashtile.ops._common import LOG2E, block_range, scores_log2, visible
+from flashtile.ops.forward import _scale_args, _slopes_args, dot_precision
+
+
+@triton.jit
+def _delta_kernel(Out, dOut, Delta, stride_ob, stride_om, stride_oh, stride_od,
+                  stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + bh.to(tl.int64) * sq + offs_m, tl.sum(o * do, 1), mask=offs_m < sq)
+
+
+@triton.jit
+def _load_lse2(Lse, offs, n):
+    """LSE (natural log) -> log2 domain; rows that saw no key (-inf) become +inf so P = 0 there."""
+    lse = tl.load(Lse + offs, mask=offs < n, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m, sq, sk,
+               diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, q_doffs,
+               do_doffs, d_mask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
+    do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
+    if MASKED:
+        row_mask = (offs_m[:, None] < sq) & d_mask
+        q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=row_mask, other=0.0)
+    elif EVEN_D:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=d_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=d_mask, other=0.0)
+    lse2 = _load_lse2(lse_base, offs_m, sq)
+    delta = tl.load(delta_base + offs_m, mask=offs_m < sq, other=0.0)
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+    s2_t, dcap_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, softcap, slope,
+                               diag_offset, HAS_SOFTCAP, HAS_ALIBI)
+    p_t = tl.exp2(s2_t - lse2[None, :])
+    if MASKED:
+        ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        p_t = tl.where(ok, p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+    ds_t = p_t * (dp_t - delta[None, :]) * dcap_t
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.heuristics({"EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"]})
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_slope_b, stride_slope_h,
+    nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
+    group = nheads // nheads_k
+    diag_offset = sk - sq
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < HEAD_DIM
+    kv_mask = (offs_n[:, None] < sk) & d_mask
+    k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+                + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+                + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    q_doffs = offs_d[None, :] * stride_qd
+    do_doffs = offs_d[None, :] * stride_dod
+
+    # Rows that can see this key block: the block_range of keys-over-rows (offset and sides swap).
+    lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
+                                           HAS_RIGHT, HAS_LEFT)
+    for g in range(0, group):
+        h = hk * group + g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        row_base = (b * nheads + h).to(tl.int64) * sq
+        lse_base = Lse + row_base
+        delta_base = Delta + row_base
+        for start_m in range(lo, full_lo, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
+                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
+                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        for start_m in range(full_lo, full_hi, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
+                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
+                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, False, EVEN_D, HAS_LEFT,
+                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        for start_m in range(full_hi, hi, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
+                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
+                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+
+    dk = dk * softmax_scale
+    tl.store(dK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+             + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(dK.dtype.element_ty), mask=kv_mask)
+    tl.store(dV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+             + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left, right,
+             qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+             HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K/V block against the fixed Q block."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_kn + k_doffs
+    v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + v_doffs
+    if MASKED:
+        kv_mask = (offs_n[:, None] < sk) & d_mask
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    s2, dcap = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
+                           diag_offset, HAS_SOFTCAP, HAS_ALIBI)
+    p = tl.exp2(s2 - lse2[:, None])
+    if MASKED:
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        p = tl.where(ok, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    ds = p * (dp - delta[:, None]) * dcap
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.heuristics({"EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"]})
+@triton.jit
+def _dq_kernel(
+    Q, K, V, dO, Lse, Delta, dQ, Slopes,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    stride_slope_b, stride_slope_h,
+    nheads, group, sq, sk, left, right, qk_scale, softcap, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group
+    diag_offset = sk - sq
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < HEAD_DIM
+    row_mask = (offs_m[:, None] < sq) & d_mask
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+                + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_mask, other=0.0)
+    do = tl.load(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=row_mask, other=0.0)
+    row_base = bh.to(tl.int64) * sq
+    lse2 = _load_lse2(Lse + row_base, offs_m, sq)
+    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < sq, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_doffs = offs_d[None, :] * stride_kd
+    v_doffs = offs_d[None, :] * stride_vd
+
+    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
+                                           HAS_LEFT, HAS_RIGHT)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left,
+                      right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, BLOCK_N,
+                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left,
+                      right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, BLOCK_N,
+                      False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left,
+                      right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, BLOCK_N,
+                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+
+    dq = dq * softmax_scale
+    tl.store(dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+             + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :] * stride_dqd,
+             dq.to(dQ.dtype.element_ty), mask=row_mask)
+
+
+def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple[int, int],
+                       softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None):
+    """Launch the backward. Shapes as ops.forward.attention_forward; lse (b, h, sq) float32.
+
+    Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group); written into the
+    given dq/dk/dv when passed (e.g. views of one packed gradient buffer).
+    """
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dq = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty((b, sk, hk, d), dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty((b, sk, hk, d), dtype=v.dtype, device=v.device) if dv is None else dv
+    block_d = configs.padded_headdim(d)
+    causal = window[1] == 0
+    qk_scale, softcap = _scale_args(softmax_scale, softcap)
+    slopes, stride_sb, stride_sh = _slopes_args(alibi_slopes, b, h, q.device)
+    left, right = window
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+                 HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype))
+
+    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    pre = configs.delta_config(d, q.device)
+    _delta_kernel[(triton.cdiv(sq, pre.block_m), b * h)](
+        out, dout, delta, *out.stride(), *dout.stride(), h, sq,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps)
+
+    cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
+    _dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
+        q, k, v, dout, lse, delta, dk, dv, slopes,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+        stride_sb, stride_sh,
+        h, hk, sq, sk, max(left, 0), max(right, 0), qk_scale, softcap, softmax_scale,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    cfg = configs.dq_config(d, q.dtype, q.device, causal)
+    _dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
+        q, k, v, dout, lse, delta, dq, slopes,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+        stride_sb, stride_sh,
+        h, h // hk, sq, sk, max(left, 0), max(right, 0), qk_scale, softcap, softmax_scale,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq, dk, dv

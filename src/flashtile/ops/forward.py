@@ -1,0 +1,181 @@
+"""FA2-style forward: one program per (Q block, batch x head); K/V blocks stream through SRAM.
+
+Online softmax in the log2 domain with the scale folded into one multiply, the output kept
+unnormalised and divided by l once at the end, the log-sum-exp written for the backward. The KV loop
+runs in up to three phases (ops._common.block_range): masked blocks, then blocks every row of the Q
+block fully sees (no mask work at all), then masked blocks again; blocks nobody sees are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops import configs
+from flashtile.ops._common import LN2, LOG2E, block_range, scores_log2, visible
+
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset, left, right,
+              qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K/V block: S = Q K^T, online-softmax update of (m_i, l_i), acc += P V."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_ptrs = k_ptrs + tl.cast(start_n, tl.int64) * stride_kn
+    v_ptrs = v_ptrs + tl.cast(start_n, tl.int64) * stride_vn
+    if MASKED:
+        kv_mask = (offs_n[:, None] < sk) & d_mask
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+    s2, _ = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
+                        diag_offset, HAS_SOFTCAP, HAS_ALIBI)
+    if MASKED:
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        s2 = tl.where(ok, s2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        m_sub = m_new
+    p = tl.exp2(s2 - m_sub[:, None])  # P_tilde, (BLOCK_M, BLOCK_N)
+    alpha = tl.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.heuristics({
+    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+})
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse, Slopes,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_slope_b, stride_slope_h,
+    nheads, group, sq, sk, left, right, qk_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group  # the K/V head this query head reads (GQA/MQA)
+    diag_offset = sk - sq
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < HEAD_DIM
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+              + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
+    k_ptrs = (K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+              + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd)
+    v_ptrs = (V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+              + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd)
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < sq) & d_mask, other=0.0)
+
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
+                                           HAS_LEFT, HAS_RIGHT)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+                                  BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                  DOT_PRECISION)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+                                  BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                  DOT_PRECISION)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+                                  BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                  DOT_PRECISION)
+
+    # Rows that saw no key: l = 0 -> output 0 and LSE = -inf (log of an empty sum).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+              + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < sq) & d_mask)
+    tl.store(Lse + bh.to(tl.int64) * sq + offs_m, lse, mask=offs_m < sq)
+
+
+def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) as the kernels take them; see _common.scores_log2."""
+    if softcap > 0:
+        return softmax_scale / softcap, softcap
+    return softmax_scale * LOG2E.value, 0.0
+
+
+def _slopes_args(alibi_slopes, b, h, device):
+    if alibi_slopes is None:
+        return torch.empty(0, dtype=torch.float32, device=device), 0, 0
+    if alibi_slopes.dim() == 1:
+        return alibi_slopes, 0, alibi_slopes.stride(0)
+    return alibi_slopes, alibi_slopes.stride(0), alibi_slopes.stride(1)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's tf32 switch (DESIGN.md Numerics); half inputs use plain dots."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def attention_forward(q, k, v, softmax_scale: float, window: tuple[int, int], softcap: float = 0.0,
+                      alibi_slopes=None, out=None):
+    """Launch the forward. q (b, sq, h, d), k/v (b, sk, hk, d), any strides, fp16/bf16/fp32.
+
+    window = (left, right) with -1 for unbounded (causal is right = 0). Returns out (b, sq, h, d)
+    in q's dtype (written into `out` when given) and lse (b, h, sq) float32, natural log.
+    """
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    cfg = configs.forward_config(d, q.dtype, q.device, causal=window[1] == 0)
+    block_d = configs.padded_headdim(d)
+    qk_scale, softcap = _scale_args(softmax_scale, softcap)
+    slopes, stride_sb, stride_sh = _slopes_args(alibi_slopes, b, h, q.device)
+    left, right = window
+    grid = (triton.cdiv(sq, cfg.block_m), b * h)
+    _fwd_kernel[grid](
+        q, k, v, out, lse, slopes,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        stride_sb, stride_sh,
+        h, h // hk, sq, sk, max(left, 0), max(right, 0), qk_scale, softcap,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
