@@ -20,17 +20,17 @@ from flashtile.ops._common import LOG2E, block_range, scores_log2, visible
 from flashtile.ops.forward import _scale_args, _slopes_args, dot_precision
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sq", "head_dim"])
 def _delta_kernel(Out, dOut, Delta, stride_ob, stride_om, stride_oh, stride_od,
                   stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                  head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM)
+    mask = (offs_m[:, None] < sq) & (offs_d[None, :] < head_dim)
     o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
                 + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
                 mask=mask, other=0.0).to(tl.float32)
@@ -83,8 +83,8 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, star
     return dk, dv
 
 
-@triton.heuristics({"EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"]})
-@triton.jit
+@triton.heuristics({"EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"]})
+@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _dkdv_kernel(
     Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -95,7 +95,7 @@ def _dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h,
     nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -108,7 +108,7 @@ def _dkdv_kernel(
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < HEAD_DIM
+    d_mask = offs_d[None, :] < head_dim
     kv_mask = (offs_n[:, None] < sk) & d_mask
     k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
                 + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
@@ -191,8 +191,8 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_o
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
-@triton.heuristics({"EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"]})
-@triton.jit
+@triton.heuristics({"EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"]})
+@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ, Slopes,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -202,7 +202,7 @@ def _dq_kernel(
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     stride_slope_b, stride_slope_h,
     nheads, group, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -215,7 +215,7 @@ def _dq_kernel(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < HEAD_DIM
+    d_mask = offs_d[None, :] < head_dim
     row_mask = (offs_m[:, None] < sq) & d_mask
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
                 + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
@@ -256,7 +256,7 @@ def _dq_kernel(
              dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
-def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple[int, int],
+def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
                        softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None):
     """Launch the backward. Shapes as ops.forward.attention_forward; lse (b, h, sq) float32.
 
@@ -273,22 +273,22 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     qk_scale, softcap = _scale_args(softmax_scale, softcap)
     slopes, stride_sb, stride_sh = _slopes_args(alibi_slopes, b, h, q.device)
     left, right = window
-    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+    flags = dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
                  HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype))
 
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     pre = configs.delta_config(d, q.device)
     _delta_kernel[(triton.cdiv(sq, pre.block_m), b * h)](
         out, dout, delta, *out.stride(), *dout.stride(), h, sq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps)
+        head_dim=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps)
 
     cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
     _dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
         q, k, v, dout, lse, delta, dk, dv, slopes,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         stride_sb, stride_sh,
-        h, hk, sq, sk, max(left, 0), max(right, 0), qk_scale, softcap, softmax_scale,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        h, hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,
+        head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     cfg = configs.dq_config(d, q.dtype, q.device, causal)
@@ -296,7 +296,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         q, k, v, dout, lse, delta, dq, slopes,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         stride_sb, stride_sh,
-        h, h // hk, sq, sk, max(left, 0), max(right, 0), qk_scale, softcap, softmax_scale,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,
+        head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq, dk, dv

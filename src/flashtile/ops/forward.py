@@ -57,9 +57,9 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset
 
 
 @triton.heuristics({
-    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+    "EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"],
 })
-@triton.jit
+@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _fwd_kernel(
     Q, K, V, Out, Lse, Slopes,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -68,7 +68,7 @@ def _fwd_kernel(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_slope_b, stride_slope_h,
     nheads, group, sq, sk, left, right, qk_scale, softcap,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -82,7 +82,7 @@ def _fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < HEAD_DIM
+    d_mask = offs_d[None, :] < head_dim
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
               + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
     k_ptrs = (K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
@@ -150,11 +150,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def attention_forward(q, k, v, softmax_scale: float, window: tuple[int, int], softcap: float = 0.0,
+def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: float = 0.0,
                       alibi_slopes=None, out=None):
     """Launch the forward. q (b, sq, h, d), k/v (b, sk, hk, d), any strides, fp16/bf16/fp32.
 
-    window = (left, right) with -1 for unbounded (causal is right = 0). Returns out (b, sq, h, d)
+    window = (left, right), None for an unbounded side (causal is right = 0; right may be negative,
+    as torch's top-left causal needs when sq < sk). Returns out (b, sq, h, d)
     in q's dtype (written into `out` when given) and lse (b, h, sq) float32, natural log.
     """
     b, sq, h, d = q.shape
@@ -172,9 +173,9 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple[int, int], so
         q, k, v, out, lse, slopes,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         stride_sb, stride_sh,
-        h, h // hk, sq, sk, max(left, 0), max(right, 0), qk_scale, softcap,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+        h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
+        head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

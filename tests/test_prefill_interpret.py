@@ -1,0 +1,42 @@
+"""Prefill kernels under the Triton interpreter (CPU, fp16 and fp32, small awkward shapes)."""
+
+import pytest
+import torch
+
+from prefill_check import check_prefill
+
+pytestmark = pytest.mark.interpret
+
+# (b, sq, sk, h, hk, d)
+SHAPES = {
+    "one-token": (1, 1, 1, 1, 1, 8),
+    "sq17-sk17-d40": (2, 17, 17, 2, 2, 40),
+    "sq37-sk53-gqa-d40": (2, 37, 53, 4, 2, 40),
+    "sq53-sk37-mqa-d64": (1, 53, 37, 2, 1, 64),
+    "sq113-sk50-d111": (1, 113, 50, 2, 2, 111),
+    "sq33-sk97-d80": (1, 33, 97, 2, 1, 80),
+    "sq64-sk64-d96": (1, 64, 64, 3, 1, 96),
+    "sq16-sk48-d3": (1, 16, 48, 1, 1, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_forward_backward(shape, causal, dtype):
+    check_prefill(*shape, dtype, "cpu", causal=causal)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "packed"])
+def test_strided_layouts(layout):
+    check_prefill(2, 40, 40, 3, 3, 32, torch.float16, "cpu", causal=True, layout=layout)
+
+
+@pytest.mark.parametrize("window", [(5, 3), (0, 0), (7, -1), (-1, 4)], ids=str)
+def test_window(window):
+    check_prefill(1, 45, 61, 2, 1, 32, torch.float32, "cpu", window=window)
+
+
+def test_softcap_and_alibi():
+    check_prefill(1, 33, 47, 4, 2, 48, torch.float32, "cpu", causal=True, softcap=1.5, alibi=True)
+    check_prefill(1, 40, 29, 2, 2, 32, torch.float16, "cpu", softcap=4.0)
