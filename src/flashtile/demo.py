@@ -1,0 +1,240 @@
+"""`flashtile demo`: every attention implementation this machine can run, on one small workload,
+checked against the float64 oracle and printed as one table.
+
+The workload is embedded (b=1, h=4 query heads over 2 kv heads, d=64, causal): a prefill (N queries
+over N keys) and a decode step (1 query over N keys) for each N and dtype. Each implementation is an
+entry of `implementations()`: a callable plus the reason it cannot run here (None when it can).
+The Triton kernels come from the public API; without a GPU they run under the Triton interpreter,
+which this module switches on (TRITON_INTERPRET=1) before anything imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flashtile import analysis, testing
+from flashtile.reference import decoding, fa1, fa2, naive
+
+SEQLENS = [128, 256, 512]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES_RUN = ["float32", "float16"]
+REPEATS = 3
+BATCH, HEADS, KV_HEADS, HEADDIM = 1, 4, 2, 64
+NUM_SPLITS = 4  # Flash-Decoding splits of the demo's decode step
+INTERPRETER_MAX_SEQLEN = 128  # the interpreter runs each program in numpy: about 1 s at N=128
+ATOL = 1e-5  # the 2x rule's tiny atol (testing.assert_2x)
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    phase: str  # "prefill": N queries over N keys; "decode": the last query over N keys
+    run: Callable  # (q, k, v) BSHD -> out (b, sq, h, d); causal, bottom-right aligned
+    model: Callable | None  # (sq, sk, d, element size) -> analysis.Cost of one (batch, head)
+    why_not: str | None  # None when it can run here, else the reason
+    max_seqlen: int | None = None  # the interpreter's limit
+    baseline: bool = False  # plain torch in the input dtype: what the 2x rule compares against
+
+
+def _use_interpreter_without_gpu() -> str:
+    """Switch the Triton interpreter on for a CPU-only machine; say how Triton will run."""
+    if torch.cuda.is_available():
+        return f"CUDA ({torch.cuda.get_device_name()})"
+    if "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ:
+        return "unavailable: triton was imported before the demo could set TRITON_INTERPRET=1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] != "1":
+        return f"unavailable: no GPU, and TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} is set"
+    return f"Triton interpreter (TRITON_INTERPRET=1, numpy; N <= {INTERPRETER_MAX_SEQLEN} only)"
+
+
+def implementations(triton_mode: str) -> list[Impl]:
+    """The registry: references always run; Triton entries when the API has them and Triton runs."""
+    from flashtile import api  # after _use_interpreter_without_gpu: api may import triton
+
+    cuda = torch.cuda.is_available()
+    max_n = None if cuda else INTERPRETER_MAX_SEQLEN
+    sram = fa1.A100_SRAM_BYTES
+
+    def triton_reason(fn: str) -> str | None:
+        if not hasattr(api, fn):
+            return f"flashtile.api has no {fn} yet"
+        return triton_mode if triton_mode.startswith("unavailable") else None
+
+    def on_triton(fn):
+        def run(q, k, v):
+            with api.use_backend("triton"):  # never a silent fall back to the reference path
+                return fn(q, k, v)
+        return run
+
+    def kvcache(q, k, v):
+        seqlens = torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device=k.device)
+        return api.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, num_splits=NUM_SPLITS)
+
+    def sdpa(causal):
+        def run(q, k, v):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            return out.transpose(1, 2)
+        return run
+
+    def fa2_model(sq, sk, d, e):
+        return analysis.fa2(sq, sk, d, e, fa2.BLOCK_M, fa2.BLOCK_N, causal=True)
+
+    def decoding_model(sq, sk, d, e):
+        return analysis.decoding(sq, sk, d, e, NUM_SPLITS, fa2.BLOCK_M, fa2.BLOCK_N, causal=True)
+
+    def plain_torch(q, k, v):
+        return naive.attention(q, k, v, causal=True)[0]
+
+    no_gpu = None if cuda else "needs a CUDA GPU (the comparison with torch runs on GPUs)"
+    return [
+        Impl("torch, S and P in memory", "prefill", plain_torch, analysis.standard, None, baseline=True),
+        Impl("reference.fa1", "prefill", lambda q, k, v: fa1.forward(q, k, v, causal=True, sram_bytes=sram)[0],
+             lambda sq, sk, d, e: analysis.fa1(sq, sk, d, e, fa1.block_sizes(sram, d, e)[1]), None),
+        Impl("reference.fa2", "prefill", lambda q, k, v: fa2.forward(q, k, v, causal=True)[0], fa2_model, None),
+        Impl("triton flash_attn_func", "prefill",
+             on_triton(lambda q, k, v: api.flash_attn_func(q, k, v, causal=True)), fa2_model,
+             triton_reason("flash_attn_func"), max_n),
+        Impl("torch SDPA", "prefill", sdpa(True), None, no_gpu),
+        Impl("torch, S and P in memory", "decode", plain_torch, analysis.standard, None, baseline=True),
+        Impl("reference.decoding", "decode",
+             lambda q, k, v: decoding.attention(q, k, v, NUM_SPLITS, causal=True)[0], decoding_model, None),
+        Impl("triton flash_attn_with_kvcache", "decode", on_triton(kvcache), decoding_model,
+             triton_reason("flash_attn_with_kvcache"), max_n),
+        Impl("torch SDPA", "decode", sdpa(False), None, no_gpu),  # one query: is_causal would hide keys
+    ]
+
+
+def _measure(fn, repeats: int, cuda: bool):
+    """(output, median ms over `repeats` calls, peak CUDA bytes the last call allocated or None).
+
+    On a GPU one extra first call (compilation, autotuning) is left out of the timing.
+    """
+    out, times, peak = None, [], None
+    for _ in range(repeats + int(cuda)):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        times.append((time.perf_counter() - start) * 1e3)
+        out = result if out is None else out
+    return out, statistics.median(times[int(cuda):]), peak
+
+
+@dataclass
+class Row:
+    dtype: str
+    phase: str
+    n: int
+    impl: Impl
+    err: float | None
+    verdict: str  # "baseline", "ok", "FAIL" or "ERROR"
+    ms: float | None
+    mem_mb: float | None
+    hbm_mb: float | None
+    failure: str = ""
+
+
+def _run_case(dtype: str, phase: str, n: int, impls: list[Impl], repeats: int, cuda: bool, gen, bar) -> list[Row]:
+    device = "cuda" if cuda else "cpu"
+    q, k, v = (testing.randn(BATCH, n, heads, HEADDIM, dtype=DTYPES[dtype], device=device, generator=gen)
+               for heads in (HEADS, KV_HEADS, KV_HEADS))
+    if phase == "decode":
+        q = q[:, -1:]  # the newest token's query, over all N keys
+    oracle = naive.attention(q, k, v, causal=True, compute_dtype=torch.float64)[0]
+    rows, baseline = [], None  # each phase lists its baseline entry first
+    bh = BATCH * HEADS
+    for impl in impls:
+        label = f"{impl.name} {dtype} {phase} N={n}"
+        cost = impl.model(q.shape[1], n, HEADDIM, q.element_size()) if impl.model else None
+        hbm_mb = bh * cost.hbm_bytes / 1e6 if cost else None
+        bar.update(1)
+        try:
+            interpreted = not cuda and impl.max_seqlen is not None  # only the interpreter sets a limit
+            out, ms, peak = _measure(lambda: impl.run(q, k, v), 1 if interpreted else repeats, cuda)
+        except Exception as e:  # a kernel still in the works must not hide the other rows
+            rows.append(Row(dtype, phase, n, impl, None, "ERROR", None, None, hbm_mb,
+                            f"{label}: {type(e).__name__}: {e}"))
+            continue
+        failure, verdict = "", "baseline" if impl.baseline else "ok"
+        if impl.baseline:
+            baseline = out
+        else:
+            try:
+                testing.assert_2x(label, out, oracle, baseline, atol=ATOL)
+            except AssertionError as e:
+                failure, verdict = str(e), "FAIL"
+        mem = peak if cuda else (bh * cost.scratch_bytes if cost else None)
+        rows.append(Row(dtype, phase, n, impl, testing.max_err(out, oracle), verdict, ms,
+                        None if mem is None else mem / 1e6, hbm_mb, failure))
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return format("-", ">" + spec.split(".")[0]) if x is None else format(x, spec)
+
+
+def run(seqlens=SEQLENS, dtypes=DTYPES_RUN, repeats=REPEATS, file=None) -> int:
+    """Run the demo; print the table to `file` (stdout). Returns 0 when every check passed, else 1."""
+    from tqdm import tqdm
+
+    file = file or sys.stdout
+    triton_mode = _use_interpreter_without_gpu()
+    impls = implementations(triton_mode)
+    cuda = torch.cuda.is_available()
+    runnable = [i for i in impls if i.why_not is None]
+    plan = [(dtype, phase, n, [i for i in runnable if i.phase == phase and (i.max_seqlen or n) >= n])
+            for dtype in dtypes for phase in ("prefill", "decode") for n in seqlens]
+    gen = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(0)
+    rows = []
+    with tqdm(total=sum(len(p[3]) for p in plan), desc="flashtile demo", disable=None, file=sys.stderr,
+              leave=False) as bar:
+        for dtype, phase, n, todo in plan:
+            rows += _run_case(dtype, phase, n, todo, repeats, cuda, gen, bar)
+
+    device = f"cuda ({torch.cuda.get_device_name()})" if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    mem_note = ("peak CUDA memory the call allocated (output included), measured" if cuda else
+                "HBM the algorithm needs beyond inputs and outputs, from the IO model (no allocator to "
+                "measure on a CPU)")
+    print(f"flashtile demo on {device}, torch {torch.__version__}; Triton: {triton_mode}", file=file)
+    print(f"workload: b={BATCH}, {HEADS} query heads over {KV_HEADS} kv heads, d={HEADDIM}, causal; "
+          f"prefill = N queries over N keys, decode = the last query over N keys", file=file)
+    print("error:   max |out - float64 oracle|; check: within 2x the error of plain torch in the same "
+          f"dtype + {ATOL:g} (the 2x rule)", file=file)
+    print(f"time:    median of {repeats} calls (interpreter: 1 call), ms", file=file)
+    print(f"mem MB:  {mem_note}", file=file)
+    print(f"HBM MB:  bytes between HBM and SRAM by the IO model (flashtile analyze), all "
+          f"{BATCH * HEADS} heads; triton rows use the reference's tiles", file=file)
+    header = f"{'dtype':<9}{'phase':<8}{'N':>5}  {'implementation':<31}{'error':>9}  {'check':<9}" \
+             f"{'time ms':>9}{'mem MB':>9}{'HBM MB':>9}"
+    print(header, file=file)
+    print("-" * len(header), file=file)
+    for r in rows:
+        print(f"{r.dtype:<9}{r.phase:<8}{r.n:>5}  {r.impl.name:<31}{_fmt(r.err, '9.2e')}  {r.verdict:<9}"
+              f"{_fmt(r.ms, '9.2f')}{_fmt(r.mem_mb, '9.3f')}{_fmt(r.hbm_mb, '9.3f')}", file=file)
+
+    ran = [f"{i.name} ({i.phase})" for i in impls if any(r.impl is i for r in rows)]
+    print(f"\nran: {', '.join(ran)}", file=file)
+    for i in impls:
+        if i.why_not is not None:
+            print(f"not run: {i.name} ({i.phase}): {i.why_not}", file=file)
+        elif i.max_seqlen is not None and any(n > i.max_seqlen for n in seqlens):
+            print(f"limited: {i.name} ({i.phase}) ran for N <= {i.max_seqlen} only (interpreter)", file=file)
+    failures = [r.failure for r in rows if r.failure]
+    for f in failures:
+        print(f"FAIL {f}", file=file)
+    print("all checks passed" if not failures else f"{len(failures)} check(s) failed", file=file)
+    return 1 if failures else 0
