@@ -18,20 +18,23 @@ def max_err(x: torch.Tensor, oracle: torch.Tensor) -> float:
 
 
 def assert_2x(name: str, got: torch.Tensor, oracle: torch.Tensor, baseline: torch.Tensor,
-              atol: float = 1e-5) -> None:
-    """got and baseline against the float64 oracle; fails with the worst elements shown."""
+              atol: float = 1e-5, factor: float = 2.0) -> None:
+    """got and baseline against the float64 oracle; fails with the worst elements shown.
+
+    factor = 2 is the project's rule; a test that relaxes it says why next to the call.
+    """
     if got.shape != oracle.shape:
         raise AssertionError(f"{name}: shape {tuple(got.shape)} != oracle {tuple(oracle.shape)}")
     err = max_err(got, oracle)
     base = max_err(baseline, oracle)
-    bound = 2 * base + atol
+    bound = factor * base + atol
     if not err <= bound:
         diff = (got.double() - oracle.double()).abs().nan_to_num(nan=float("inf")).flatten()
         worst = torch.topk(diff, min(5, diff.numel())).indices
         idx = [tuple(int(i) for i in torch.unravel_index(w, got.shape)) for w in worst]
         rows = ", ".join(f"{i}: got {got[i].item():.6g} want {oracle[i].item():.6g}" for i in idx)
         raise AssertionError(
-            f"{name}: max error {err:.3g} > 2 x baseline {base:.3g} + {atol:g}; worst: {rows}")
+            f"{name}: max error {err:.3g} > {factor:g} x baseline {base:.3g} + {atol:g}; worst: {rows}")
 
 
 def poison(*tensors: torch.Tensor) -> None:
