@@ -1,0 +1,146 @@
+"""The public prefill API on CPU: validation, dispatch, packed layouts, SDPA semantics, compile."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import api
+from flashtile.reference import naive
+
+
+def qkv(b=1, sq=20, sk=20, h=2, hk=2, d=16, dtype=torch.float32, requires_grad=False):
+    return tuple(torch.randn(b, s, n, d, dtype=dtype).requires_grad_(requires_grad)
+                 for s, n in ((sq, h), (sk, hk), (sk, hk)))
+
+
+@pytest.mark.parametrize("args,match,exc", [
+    (lambda q, k, v: (q[0], k, v), "q must have 4 dimensions", ValueError),
+    (lambda q, k, v: (q.half(), k, v), "k must have the dtype of q", TypeError),
+    (lambda q, k, v: (q.int(), k.int(), v.int()), "q must have dtype", TypeError),
+    (lambda q, k, v: (q.double(), k.double(), v.double()), "float16, bfloat16 or float32", TypeError),
+    (lambda q, k, v: (q, k[..., :8], v), "k must have head dim 16", ValueError),
+    (lambda q, k, v: (q, k[:, :5], v), "v must have shape", ValueError),
+    (lambda q, k, v: (torch.randn(1, 4, 3, 16), k, v), "multiple of the number of key/value heads", ValueError),
+    (lambda q, k, v: (torch.randn(1, 4, 2, 300), torch.randn(1, 4, 2, 300), torch.randn(1, 4, 2, 300)),
+     "head dim must be in 1..256", ValueError),
+    (lambda q, k, v: (q, torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)), "k must have batch size 1", ValueError),
+    (lambda q, k, v: ([1.0], k, v), "q must be a torch.Tensor", TypeError),
+], ids=["rank", "dtype-mix", "integer", "float64", "headdim-mismatch", "v-shape", "h%hk", "d>256",
+        "batch", "not-a-tensor"])
+def test_bad_inputs_name_the_argument(args, match, exc):
+    with pytest.raises(exc, match=match):
+        flashtile.flash_attn_func(*args(*qkv()))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window_size=(-2, 0)), "window_size left"),
+    (dict(window_size=5), "window_size must be a pair"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(softmax_scale=float("nan")), "softmax_scale"),
+    (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must have shape"),
+    (dict(dropout_p=1.5), "dropout_p must be in"),
+])
+def test_bad_options(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        flashtile.flash_attn_func(*qkv(), **kwargs)
+
+
+def test_dropout_is_refused_not_ignored():
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flashtile.flash_attn_func(*qkv(), dropout_p=0.1)
+
+
+def test_dispatch_rule(monkeypatch):
+    t = torch.zeros(1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert api.backend_for(t) == "triton"
+    with api.use_backend("reference"):
+        assert api.backend_for(t) == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert api.backend_for(t) == "reference"
+    with api.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        api.backend_for(t)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with api.use_backend("cuda"):
+            pass
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.interpret), "reference"])
+def test_flash_attn_func_forward_backward(backend):
+    q, k, v = qkv(2, 23, 31, 4, 2, 24, requires_grad=True)
+    slopes = torch.rand(2, 4)
+    kw = dict(causal=True, softcap=2.0, alibi_slopes=slopes)
+    with api.use_backend(backend):
+        out, lse, probs = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    assert probs is None
+    ref_out, ref_lse = naive.attention(q, k, v, **kw, compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = naive.attention_backward(dout, q, k, v, **kw, compute_dtype=torch.float64)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.interpret
+def test_packed_variants_equal_unpacked():
+    qkv_ = torch.randn(2, 19, 3, 2, 32, dtype=torch.float16)
+    out = flashtile.flash_attn_qkvpacked_func(qkv_, causal=True)
+    ref = flashtile.flash_attn_func(qkv_[:, :, 0], qkv_[:, :, 1], qkv_[:, :, 2], causal=True)
+    assert torch.equal(out, ref)
+    q = torch.randn(2, 7, 4, 32, dtype=torch.float16)
+    kv = torch.randn(2, 19, 2, 2, 32, dtype=torch.float16)
+    out = flashtile.flash_attn_kvpacked_func(q, kv, window_size=(3, 2))
+    assert torch.equal(out, flashtile.flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], window_size=(3, 2)))
+    with pytest.raises(ValueError, match="qkv must have shape"):
+        flashtile.flash_attn_qkvpacked_func(torch.randn(2, 19, 2, 2, 32))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("sq,sk", [(9, 25), (25, 9), (16, 16)], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_semantics_match_torch(sq, sk, is_causal):
+    """torch's layout (B, H, L, E) and top-left causal; enable_gqa with fewer key/value heads."""
+    q = torch.randn(2, 4, sq, 16)
+    k, v = torch.randn(2, 2, sk, 16), torch.randn(2, 2, sk, 16)
+    ours = flashtile.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                           is_causal=is_causal, enable_gqa=True)
+    torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flashtile.scaled_dot_product_attention(q, k, v)
+
+
+def test_sdpa_attn_mask_falls_back_to_torch():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    mask = torch.rand(8, 8) > 0.3
+    mask[:, 0] = True
+    ours = flashtile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.interpret
+def test_torch_compile_fullgraph_with_gradients():
+    q, k, v = qkv(1, 20, 20, 2, 1, 16, requires_grad=True)
+
+    def loss_fn(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=True).square().sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = loss_fn(q, k, v)
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    torch.testing.assert_close(loss, ref_loss)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: schema, fake impl and autograd registration agree (reference backend)."""
+    from flashtile import autograd
+
+    q, k, v = qkv(1, 12, 15, 2, 1, 8, requires_grad=True)
+    torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, "reference"))
