@@ -7,8 +7,11 @@ from flashtile.api import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_with_kvcache,
+    merge_attention_states,
     scaled_dot_product_attention,
     use_backend,
 )
+from flashtile.kvcache import KVCache, PagedKVCache
 
 __version__ = "0.1.0"

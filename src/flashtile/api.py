@@ -171,3 +171,292 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         window = (None, sq - sk)  # top-left: j <= i, i.e. bottom-right with right = sq - sk
     out, _ = _attention(q, k, v, scale_, window, softcap, None)
     return out.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding: flash_attn_with_kvcache and merge_attention_states (ops.decode; reference.kvcache)
+# --------------------------------------------------------------------------------------------
+
+def _check_index(name: str, t, device, ndim: int, rows: int) -> None:
+    """An int32 index tensor (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != ndim or t.shape[0] != rows or (ndim == 2 and t.shape[1] < 1):
+        want = f"({rows},)" if ndim == 1 else f"({rows}, max_blocks_per_seq)"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+
+
+def _check_host_values(lengths, s_new, sq, capacity, cache_leftpad, block_table, num_pages,
+                       rotary_cos, local) -> None:
+    """Checks that read index values: only run when they are on the host (see the docstring)."""
+    if lengths.numel() == 0:
+        return
+    if int(lengths.min()) < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {lengths.tolist()}")
+    if int(lengths.max()) + s_new > capacity:
+        row = int(lengths.argmax())
+        raise ValueError(
+            f"cache overflow: batch row {row} holds {int(lengths[row])} tokens and appends {s_new}, "
+            f"but the cache holds {capacity} tokens per sequence")
+    if cache_leftpad is not None and cache_leftpad.device.type == "cpu":
+        bad = (cache_leftpad < 0) | (cache_leftpad > lengths)
+        if bad.any():
+            row = int(bad.int().argmax())
+            raise ValueError(f"cache_leftpad[{row}] = {int(cache_leftpad[row])} must be in "
+                             f"[0, cache_seqlens[{row}] = {int(lengths[row])}]")
+    if block_table is not None and block_table.device.type == "cpu":
+        page_size = capacity // block_table.shape[1]
+        for row, n in enumerate((lengths + s_new).tolist()):
+            used = block_table[row, : -(-n // page_size)]
+            bad = (used < 0) | (used >= num_pages)
+            if bad.any():
+                j = int(bad.int().argmax())
+                raise ValueError(f"block_table[{row}, {j}] = {int(used[j])} is not a page of k_cache "
+                                 f"(num_blocks = {num_pages}); batch row {row} uses its first "
+                                 f"{used.numel()} entries")
+    if rotary_cos is not None:
+        need = int(lengths.max()) + max(s_new, sq if local else 1)
+        if rotary_cos.shape[0] < need:
+            raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, but the "
+                             f"new tokens and queries reach position {need - 1}")
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, num_splits):
+    """Check a flash_attn_with_kvcache call; return (scale, window, softcap, max_keys).
+
+    max_keys is the longest key range of any batch row when the lengths are known on the host, else
+    None (the num_splits heuristic then assumes the capacity).
+    """
+    _checks.check_tensor("q", q, 4, _KERNEL_DTYPES)
+    _checks.check_tensor("k_cache", k_cache, 4)
+    _checks.check_tensor("v_cache", v_cache, 4)
+    _checks.check_same("k_cache", k_cache, "q", q)
+    _checks.check_same("v_cache", v_cache, "q", q)
+    b, sq, h, d = q.shape
+    if sq < 1:
+        raise ValueError(f"q must hold at least one query per sequence, got shape {tuple(q.shape)}")
+    hk = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache must have head dim {d} (as q), got {k_cache.shape[3]}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have shape {tuple(k_cache.shape)} (as k_cache), got {tuple(v_cache.shape)}")
+    if d > _checks.MAX_HEADDIM:
+        raise ValueError(f"head dim must be in 1..{_checks.MAX_HEADDIM}, got {d}")
+    if hk < 1 or h % hk != 0:
+        raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of "
+                         f"key/value heads ({hk})")
+    if block_table is not None:
+        _check_index("block_table", block_table, q.device, 2, b)
+        page_size = k_cache.shape[1]
+        if page_size % 16 != 0:
+            raise ValueError(f"the page size (k_cache.shape[1] with a block_table) must be a multiple "
+                             f"of 16, got {page_size}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table: index the pages instead")
+        capacity = block_table.shape[1] * page_size
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] < b:
+            raise ValueError(f"k_cache must hold at least {b} sequences (the batch of q), got "
+                             f"{k_cache.shape[0]}; or pass cache_batch_idx")
+    s_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append)")
+    if k is not None:
+        _checks.check_tensor("k", k, 4)
+        _checks.check_same("k", k, "q", q)
+        _checks.check_same("v", v, "q", q)
+        s_new = k.shape[1]
+        if tuple(k.shape) != (b, s_new, hk, d):
+            raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = "
+                             f"{(b, s_new, hk, d)}, got {tuple(k.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
+
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens is required to append k and v: it says where they go")
+        lengths = torch.full((b,), capacity)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = torch.full((b,), cache_seqlens)
+    else:
+        _check_index("cache_seqlens", cache_seqlens, q.device, 1, b)
+        lengths = cache_seqlens if cache_seqlens.device.type == "cpu" else None
+    if cache_batch_idx is not None:
+        _check_index("cache_batch_idx", cache_batch_idx, q.device, 1, b)
+        if cache_batch_idx.device.type == "cpu":
+            bad = (cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])
+            if bad.any():
+                row = int(bad.int().argmax())
+                raise ValueError(f"cache_batch_idx[{row}] = {int(cache_batch_idx[row])} is not a "
+                                 f"sequence of k_cache (it holds {k_cache.shape[0]})")
+    if cache_leftpad is not None:
+        _check_index("cache_leftpad", cache_leftpad, q.device, 1, b)
+
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin rotate the new k (and q): pass k and v as well")
+        _checks.check_tensor("rotary_cos", rotary_cos, 2, (q.dtype, torch.float32))
+        _checks.check_tensor("rotary_sin", rotary_sin, 2, (q.dtype, torch.float32))
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"rotary_sin must have shape {tuple(rotary_cos.shape)} (as rotary_cos), "
+                             f"got {tuple(rotary_sin.shape)}")
+        if not 1 <= 2 * rotary_cos.shape[1] <= d:
+            raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                             f"<= headdim = {d}, got {tuple(rotary_cos.shape)}")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if t.device != q.device:
+                raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+
+    scale = _checks.default_scale(softmax_scale, d)
+    left, right = _checks.check_window(window_size, causal)
+    softcap = _checks.check_softcap(softcap)
+    _checks.check_alibi(alibi_slopes, b, h, q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose from the lengths), got {num_splits!r}")
+
+    max_keys = None
+    if lengths is not None:
+        _check_host_values(lengths, s_new, sq, capacity, cache_leftpad,
+                           block_table, k_cache.shape[0], rotary_cos, left >= 0 or right >= 0)
+        pads = cache_leftpad if cache_leftpad is not None and cache_leftpad.device.type == "cpu" else 0
+        max_keys = int((lengths - pads).max()) + s_new if b else 0
+    if left >= 0:  # one M block of query rows sees at most this many keys
+        max_keys = min(capacity if max_keys is None else max_keys, left + sq + max(right, 0))
+    return scale, (left, right), softcap, max_keys
+
+
+def _kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                       softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       rotary_interleaved=True, alibi_slopes=None, num_splits=0, max_keys=None):
+    """flash_attn_with_kvcache returning (out, lse); max_keys lets the KVCache helpers hand over
+    their host-side lengths for the num_splits heuristic."""
+    scale, window, softcap, checked_max = _check_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        num_splits)
+    if backend_for(q) == "reference":
+        from flashtile.reference.kvcache import attention_with_kvcache
+
+        out, lse = attention_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, scale, causal, window, softcap, rotary_interleaved,
+            alibi_slopes, compute_dtype=torch.float32)
+        return out.to(q.dtype), lse
+    from flashtile.ops import decode
+
+    if cache_seqlens is None:
+        cache_seqlens = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    if k is not None:
+        decode.append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+                         rotary_cos, rotary_sin, rotary_interleaved)
+    return decode.decode_attention(
+        q, k_cache, v_cache, cache_seqlens, seqlen_new=0 if k is None else k.shape[1],
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        softmax_scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        num_splits=num_splits, max_keys=checked_max if max_keys is None else max_keys)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q over a KV cache, appending new keys first: flash-attn 2.x's function.
+
+    Flash-Decoding: the keys of each sequence are cut into splits that run in parallel, then merged
+    by their log-sum-exp, so even one sequence fills the GPU (flashtile.kvcache.KVCache and
+    PagedKVCache manage the cache for a generate loop).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32. seqlen_q = 1 when
+            decoding; a few for speculative decoding or chunked prefill.
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), q's dtype and device,
+            nheads % nheads_k == 0; or, with block_table, pages (num_blocks, page_size, nheads_k,
+            headdim) with page_size a multiple of 16. Any strides.
+        k, v: optional (batch, seqlen_new, nheads_k, headdim), written into the cache in place at
+            positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), q's dtype or float32; only
+            with k and v. k is rotated at its cache positions; q at cache_seqlens[b] + i with a
+            causal or local mask, else every query at cache_seqlens[b] (flash-attn's rule).
+            rotary_interleaved: rotate pairs (2i, 2i+1) (GPT-J) rather than (i, i + rotary_dim/2)
+            (GPT-NeoX). Dims past rotary_dim are left alone.
+        cache_seqlens: int, or (batch,) int32 on q's device: the tokens already in each sequence's
+            cache. None means the whole cache (then k/v cannot be appended).
+        cache_batch_idx: optional (batch,) int32: batch row b uses cache sequence
+            cache_batch_idx[b] (contiguous cache only).
+        cache_leftpad: optional (batch,) int32: each sequence's keys start at that cache position;
+            the rows before it are padding nobody attends.
+        block_table: optional (batch, max_blocks_per_seq) int32: cache position p of batch row b
+            is row p % page_size of page block_table[b, p // page_size].
+        softmax_scale: defaults to headdim ** -0.5.
+        causal, window_size, softcap, alibi_slopes: as flash_attn_func, aligned to the bottom-right
+            corner of (seqlen_q, seqlen_k) with seqlen_k = cache_seqlens[b] - cache_leftpad[b] +
+            seqlen_new. With seqlen_q = 2, seqlen_k = 5 and causal=True:
+                1 1 1 1 0
+                1 1 1 1 1
+            With seqlen_q = 1 causal changes nothing: the query sits at the last key.
+        num_splits: pieces per sequence; 0 picks them from the lengths and the GPU's SM count
+            (ops.configs.decode_num_splits). 1 runs no combine kernel. The result does not depend
+            on it beyond fp32 rounding.
+        return_softmax_lse: also return the log-sum-exp.
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim) in q's dtype; rows that see no key are zero.
+        softmax_lse (only with return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log,
+            -inf for a row that sees no key.
+
+    Checks: shapes, dtypes and devices always. Index values (cache overflow, page-table bounds,
+    leftpad, cache_batch_idx and rotary table length) are checked when they are on the host - an int
+    cache_seqlens or CPU tensors; reading them from a GPU would stall every decoding step on a
+    device sync (and break CUDA graphs). With GPU index tensors the kernels still never read or
+    write outside the given tensors: rows past the capacity or on a page index outside k_cache are
+    dropped, not attended. The KVCache helpers check their lengths on the host.
+    """
+    out, lse = _kvcache_attention(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+        alibi_slopes, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def merge_attention_states(out_partial, lse_partial):
+    """Exact merge of attention computed over disjoint pieces of the keys (splits, prefix caches,
+    ring attention): out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s.
+
+    Arguments:
+        out_partial: (S, *, headdim), float16 / bfloat16 / float32: each piece's normalised output.
+        lse_partial: (S, *) float32, natural log. A piece with lse = -inf saw no key: it contributes
+            nothing, whatever its out_partial holds (NaN included).
+    Returns:
+        out: (*, headdim) in out_partial's dtype (zeros where every piece is empty);
+        lse: (*) float32 (-inf where every piece is empty).
+    """
+    if not isinstance(out_partial, torch.Tensor):
+        raise TypeError(f"out_partial must be a torch.Tensor, got {type(out_partial).__name__}")
+    if out_partial.dim() < 2 or out_partial.shape[0] < 1:
+        raise ValueError(f"out_partial must have shape (S, *, headdim) with S >= 1, got {tuple(out_partial.shape)}")
+    _checks.check_tensor("out_partial", out_partial, out_partial.dim(), _KERNEL_DTYPES)
+    _checks.check_tensor("lse_partial", lse_partial, out_partial.dim() - 1, (torch.float32,))
+    if lse_partial.shape != out_partial.shape[:-1]:
+        raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])} (out_partial "
+                         f"without headdim), got {tuple(lse_partial.shape)}")
+    if lse_partial.device != out_partial.device:
+        raise ValueError(f"lse_partial must be on the device of out_partial ({out_partial.device}), "
+                         f"got {lse_partial.device}")
+    if backend_for(out_partial) == "reference":
+        from flashtile.reference.decoding import merge
+
+        return merge(out_partial, lse_partial)
+    from flashtile.ops import decode
+
+    return decode.merge_states(out_partial, lse_partial)

@@ -86,3 +86,96 @@ def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) ->
     if bd <= 128:
         return BlockConfig(64, 64, 4, 2)
     return BlockConfig(64, 32, 4, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding (ops.decode): split-KV kernel tiles, combine kernel tiles, the num_splits heuristic
+# --------------------------------------------------------------------------------------------
+
+# Under the interpreter: 32-key tiles make the small test caches cross many tiles and splits, and
+# exercise both paged paths (page 16 < 32 keys: one page index per key; page 64: one per tile).
+DECODE_INTERPRETER_BLOCK_N = 32
+
+# The num_splits heuristic (decode_num_splits); H100 numbers, see its docstring.
+DECODE_PROGRAMS_PER_SM = 2  # two resident programs keep 4 tiles (128 KB) in flight per SM, far
+#                             past the ~25 KB that 3 TB/s x ~1 us of DRAM latency needs per SM
+DECODE_NO_SPLIT_FILL = 0.8  # one program per (batch, kv head) filling 80% of the slots is enough
+DECODE_ROUNDS = 2  # otherwise fill every slot this many times over
+DECODE_MIN_BLOCKS_PER_SPLIT = 4  # >= 4 key tiles per split: the partial (rows x d fp32) and its
+#                                  share of the combine stay ~3% of the split's KV bytes
+NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same split choices
+
+
+def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device: torch.device) -> BlockConfig:
+    """Tiles for the split-KV kernel of ops.decode on an H100 (sm_90).
+
+    rows = seqlen_q * (nheads // nheads_k): the query rows that share one KV head are packed into
+    the M side of one tl.dot (GQA packing), padded to >= 16 (mma's minimum M); more than 64 rows
+    (chunked prefill) take several M blocks, each re-reading the KV. page_size = 0 for a contiguous
+    cache. Decoding streams the KV cache once, so the tiles aim at bytes in flight, not FLOPs: one
+    tile of K and V is 32 KB (64 keys x 128 dims x 2 B x 2 at d=128 fp16; the key count scales
+    so every head dim keeps 32 KB), num_warps 4, and num_stages 3, which Triton turns into
+    2 cp.async buffers (70 KB of smem and 88 registers at d=128, compiled for sm_90).
+    A page smaller than the tile makes the key addresses a gather through the block table; the
+    page-index load then takes a pipeline stage of its own, and only 5 stages get the K/V loads
+    their 2 buffers back (checked in the sm_90 TTGIR: 3 stages give 1 buffer and a full wait).
+    """
+    block_m = min(max(16, triton.next_power_of_2(rows)), 64)
+    if device.type != "cuda":
+        return BlockConfig(block_m, DECODE_INTERPRETER_BLOCK_N, 4, 1)
+    bd = padded_headdim(d)
+    # fp32 (IEEE) dots run on FMAs, not mma: a 32 KB tile at d=128 needs 255 registers and spills
+    # 452 B (ptxas, sm_90), so fp32 takes 16 KB tiles
+    tile_bytes = 16 * 1024 if dtype == torch.float32 else 32 * 1024
+    elem = 4 if dtype == torch.float32 else 2
+    block_n = max(16, min(128, tile_bytes // (2 * bd * elem)))
+    gather = page_size > 0 and page_size % block_n != 0
+    return BlockConfig(block_m, block_n, 4, 5 if gather else 3)
+
+
+def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:
+    """How many pieces to cut each sequence's keys into (Flash-Decoding's new parallel axis).
+
+    programs: the split kernel's programs with one split, batch * nheads_k * M blocks.
+    max_keys: the longest key range one of them reads. The caller passes the real maximum when it
+    is known on the host (an int cache_seqlens, CPU tensors, the KVCache helpers' host lengths) and
+    otherwise the cache capacity: reading a CUDA cache_seqlens would synchronise the GPU (and break
+    CUDA-graph capture) on every decoding step. Over-estimating only costs empty splits, which exit
+    after writing an LSE of -inf; the real lengths still divide evenly, on the device.
+
+    The GPU holds DECODE_PROGRAMS_PER_SM x num_sms programs at once ("slots", 264 on an H100).
+    1. programs >= DECODE_NO_SPLIT_FILL x slots (large batch: 256 x 2 KV heads): no split, so no
+       partials and no combine kernel. Splitting could not make a full GPU read faster.
+    2. Otherwise cut the keys so the grid fills the slots DECODE_ROUNDS times: floor(rounds x slots
+       / programs), e.g. batch 1 x 2 KV heads at 128k keys -> 264 splits, 528 programs. One round
+       would leave the GPU idle behind the slowest program; two rounds of equal work end together.
+    3. But never below DECODE_MIN_BLOCKS_PER_SPLIT key tiles per split: a tiny split pays a fixed
+       cost (load q, write rows x d fp32 partials, then read them again in the combine).
+    """
+    slots = DECODE_PROGRAMS_PER_SM * num_sms
+    if programs >= DECODE_NO_SPLIT_FILL * slots:
+        return 1
+    by_fill = (DECODE_ROUNDS * slots) // max(programs, 1)
+    by_keys = triton.cdiv(max(max_keys, 1), DECODE_MIN_BLOCKS_PER_SPLIT * block_n)
+    return max(1, min(by_fill, by_keys))
+
+
+class CombineConfig(NamedTuple):
+    block_s: int  # splits merged per step
+    block_d: int  # output columns per program
+    num_warps: int
+
+
+def combine_config(num_splits: int, d: int) -> CombineConfig:
+    """Tiles for the LSE merge: all splits of a row in one load where they fit.
+
+    The merge loop carries a running max, so each step waits for its loads; a (splits, columns)
+    tile that holds every split makes it one DRAM round trip instead of one per step (264 splits
+    at 16 per step would cost ~17 round trips, ~10 us). The tile is capped near 8192 fp32 values
+    (64 registers per thread at 4 warps; 115 in all at 512 splits, no spills on sm_90); fewer
+    columns per program then buy more programs.
+    """
+    bd = padded_headdim(d)
+    block_s = min(triton.next_power_of_2(max(num_splits, 1)), 512)
+    block_d = max(16, min(bd, 8192 // block_s))
+    return CombineConfig(block_s, block_d, 4)

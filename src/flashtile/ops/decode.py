@@ -1,0 +1,470 @@
+"""Flash-Decoding: split-KV attention over a contiguous or paged KV cache, then an LSE merge.
+
+Three kernels, each a plain stream over HBM:
+  _append_kernel   new k/v rows (rotary applied to k) written into the cache, through the page table
+  _split_kernel    one program per (split, kv head [x M block], batch): the query rows of every head
+                   that shares the kv head are packed into one tile (GQA packing), so each KV byte
+                   is read once; it writes a partial (out, lse) per split, in fp32 - or, with one
+                   split, the final output directly
+  _combine_kernel  out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s (seed 004's
+                   kernel 2); splits with lse = -inf (nothing seen) contribute nothing
+
+Positions: a batch row b attends logical keys j in [0, seqlen_k) with
+seqlen_k = cache_seqlens[b] - leftpad[b] + seqlen_new (flash-attn 2.x); key j lives in cache row
+leftpad[b] + j ("physical" position), in page block_table[b, pos // page_size] when paged. The KV
+loop walks physical positions so tiles never straddle a page boundary when page_size % BLOCK_N == 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops import configs
+from flashtile.ops._common import LN2, LOG2E, scores_log2, visible
+from flashtile.ops.forward import dot_precision
+
+
+@triton.jit
+def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc,
+               pos, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rows (R, BLOCK_D) as fp32, rotary embedding at positions pos (R,) on the first ROTARY_DIM dims.
+
+    rows: (R, 1) pointers to each row's first element. Interleaved (GPT-J) rotates pairs
+    (2i, 2i+1) by angle i; otherwise (GPT-NeoX) pairs (i, i + ROTARY_DIM/2). Each output element
+    needs its partner element, loaded as a second gather of the same rows.
+    """
+    x = tl.load(rows + offs_d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    if ROTARY_DIM > 0:
+        HALF: tl.constexpr = ROTARY_DIM // 2
+        if INTERLEAVED:
+            first = offs_d % 2 == 0
+            partner = offs_d ^ 1
+            angle = offs_d // 2
+        else:
+            first = offs_d < HALF
+            partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+            angle = tl.where(first, offs_d, offs_d - HALF)
+        rot = mask & (offs_d[None, :] < ROTARY_DIM)
+        xp = tl.load(rows + partner[None, :] * stride_d, mask=rot, other=0.0).to(tl.float32)
+        # outside the rotary dims cos = 1, sin = 0 and xp = 0, so x passes through unchanged
+        cos = tl.load(Cos + pos[:, None] * stride_cr + angle[None, :] * stride_cc, mask=rot, other=1.0)
+        sin = tl.load(Sin + pos[:, None] * stride_sr + angle[None, :] * stride_sc, mask=rot, other=0.0)
+        x = x * cos.to(tl.float32) + tl.where(first[None, :], -xp, xp) * sin.to(tl.float32)
+    return x
+
+
+@triton.heuristics({
+    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+    "HAS_SEQLENS": lambda a: a["Seqlens"] is not None,
+    "HAS_BATCH_IDX": lambda a: a["BatchIdx"] is not None,
+})
+@triton.jit
+def _append_kernel(
+    Knew, Vnew, KCache, VCache, Seqlens, BatchIdx, BlockTable, Cos, Sin,
+    stride_nb, stride_nt, stride_nh, stride_nd,
+    stride_wb, stride_wt, stride_wh, stride_wd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_tb, stride_cr, stride_cc, stride_sr, stride_sc,
+    seqlen_const, seqlen_new, capacity, num_pages,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+):
+    """k_new[b, t] -> cache row cache_seqlens[b] + t (rotary at that position), v_new likewise.
+
+    Grid (cdiv(seqlen_new, BLOCK_T), nheads_k, batch). Rows past the capacity or on a page index
+    outside k_cache are dropped: the API rejects such calls when it can see the values, and the
+    kernel never writes outside the cache either way.
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kh = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    if HAS_SEQLENS:
+        n_cache = tl.load(Seqlens + b)
+    else:
+        n_cache = seqlen_const
+    pos = n_cache + offs_t  # physical cache positions
+    ok = (offs_t < seqlen_new) & (pos < capacity)
+    if PAGE_SIZE > 0:
+        page = tl.load(BlockTable + b.to(tl.int64) * stride_tb + pos // PAGE_SIZE, mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < num_pages)
+        k_rows = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
+        v_rows = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+    else:
+        cb = b
+        if HAS_BATCH_IDX:
+            cb = tl.load(BatchIdx + b)
+        k_rows = cb.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
+        v_rows = cb.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
+    mask = ok[:, None]
+    if not EVEN_D:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    src = Knew + b.to(tl.int64) * stride_nb + kh * stride_nh + offs_t[:, None] * stride_nt
+    k = _load_rope(src, offs_d, stride_nd, mask, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc,
+                   pos, ROTARY_DIM, ROTARY_INTERLEAVED)
+    v = tl.load(Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh + offs_t[:, None] * stride_wt
+                + offs_d[None, :] * stride_wd, mask=mask)
+    tl.store(KCache + kh * stride_kh + k_rows[:, None] + offs_d[None, :] * stride_kd,
+             k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + kh * stride_vh + v_rows[:, None] + offs_d[None, :] * stride_vd, v, mask=mask)
+
+
+@triton.heuristics({
+    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+    "HAS_SEQLENS": lambda a: a["Seqlens"] is not None,
+    "HAS_BATCH_IDX": lambda a: a["BatchIdx"] is not None,
+    "HAS_LEFTPAD": lambda a: a["LeftPad"] is not None,
+    "HAS_ALIBI": lambda a: a["Slopes"] is not None,
+})
+@triton.jit
+def _split_kernel(
+    Q, K, V, Out, Lse, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_os, stride_ob, stride_om, stride_oh, stride_od,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_tb, stride_slope_b, stride_slope_h, stride_cr, stride_cc, stride_sr, stride_sc,
+    seqlen_const, seqlen_q, seqlen_new, capacity, num_pages, m_blocks, num_splits,
+    left, right, qk_scale, softcap,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+):
+    """Attention of one (batch, kv head, M block) over one split of its keys.
+
+    Grid (num_splits, nheads_k * m_blocks, batch). Tile row r is query i = r // GROUP of head
+    kv_head * GROUP + r % GROUP. Out/Lse are the partials (num_splits, b, sq, h, d) fp32 and
+    (num_splits, b, h, sq), or with one split the final (b, sq, h, d) and (b, h, sq) (stride_os =
+    stride_ls = 0): both get the normalised output and the natural-log LSE, -inf for empty rows.
+    """
+    split = tl.program_id(0)
+    kh = tl.program_id(1) // m_blocks
+    start_m = (tl.program_id(1) % m_blocks) * BLOCK_M
+    b = tl.program_id(2)
+
+    if HAS_SEQLENS:
+        n_cache = tl.load(Seqlens + b)
+    else:
+        n_cache = seqlen_const
+    pad = 0
+    if HAS_LEFTPAD:
+        pad = tl.load(LeftPad + b)
+    seqlen_k = n_cache - pad + seqlen_new
+    diag_offset = seqlen_k - seqlen_q
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    i = rows // GROUP
+    head = kh * GROUP + rows % GROUP
+    row_ok = rows < seqlen_q * GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = row_ok[:, None]
+    if not EVEN_D:
+        row_mask = row_mask & (offs_d[None, :] < HEAD_DIM)
+
+    q_rows = Q + b.to(tl.int64) * stride_qb + (i * stride_qm + head * stride_qh)[:, None]
+    if ROTARY_DIM > 0:
+        # flash-attn: with a causal or local mask query i sits at position cache_seqlens + i,
+        # otherwise every query row takes position cache_seqlens
+        if ROTARY_BY_ROW:
+            q_pos = n_cache + i
+        else:
+            q_pos = n_cache + i * 0
+        q = _load_rope(q_rows, offs_d, stride_qd, row_mask, Cos, Sin, stride_cr, stride_cc,
+                       stride_sr, stride_sc, q_pos, ROTARY_DIM, ROTARY_INTERLEAVED)
+        q = q.to(Q.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slope_b + head * stride_slope_h)[:, None]
+
+    # The keys any row of this M block can see (logical), then this split's share, in whole tiles
+    # of physical positions.
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(start_m // GROUP + diag_offset - left, 0)
+    if HAS_RIGHT:
+        last_i = tl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+        hi = tl.minimum(hi, tl.maximum(last_i + diag_offset + right + 1, 0))
+    lo = lo + pad
+    hi = tl.maximum(tl.minimum(hi + pad, capacity), lo)
+    first_blk = lo // BLOCK_N
+    n_blk = tl.cdiv(hi, BLOCK_N) - first_blk
+    per_split = tl.cdiv(n_blk, num_splits)
+    blk_start = first_blk + split * per_split
+    blk_end = tl.minimum(blk_start + per_split, first_blk + n_blk)
+
+    if PAGE_SIZE > 0:
+        table = BlockTable + b.to(tl.int64) * stride_tb
+    else:
+        cb = b
+        if HAS_BATCH_IDX:
+            cb = tl.load(BatchIdx + b)
+        K = K + cb.to(tl.int64) * stride_kb
+        V = V + cb.to(tl.int64) * stride_vb
+    K = K + kh * stride_kh
+    V = V + kh * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(blk_start * BLOCK_N, blk_end * BLOCK_N, BLOCK_N):
+        pos = start_n + tl.arange(0, BLOCK_N)
+        key_ok = (pos >= lo) & (pos < hi)
+        if PAGE_SIZE > 0:
+            if PAGE_SIZE % BLOCK_N == 0:
+                page = tl.load(table + start_n // PAGE_SIZE)  # the tile lies inside one page
+            else:
+                page = tl.load(table + pos // PAGE_SIZE, mask=key_ok, other=0)
+            key_ok = key_ok & (page >= 0) & (page < num_pages)
+            k_rows = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
+            v_rows = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+        else:
+            k_rows = pos.to(tl.int64) * stride_kn
+            v_rows = pos.to(tl.int64) * stride_vn
+        kv_mask = key_ok[:, None]
+        if not EVEN_D:
+            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        j = pos - pad  # logical key index
+        s2, _ = scores_log2(qk, i[:, None], j[None, :], qk_scale, softcap, slope, diag_offset,
+                            HAS_SOFTCAP, HAS_ALIBI)
+        ok = key_ok[None, :]
+        if HAS_LEFT or HAS_RIGHT:
+            ok = ok & visible(i[:, None], j[None, :], diag_offset, seqlen_k, left, right, HAS_LEFT,
+                              HAS_RIGHT)
+        s2 = tl.where(ok, s2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s2 - m_sub[:, None])  # P_tilde, (BLOCK_M, BLOCK_N)
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    Out = Out + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
+    tl.store(Out + (i * stride_om + head * stride_oh)[:, None] + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=row_mask)
+    Lse = Lse + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
+    tl.store(Lse + head * stride_lh + i * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    OutP, LseP, Out, Lse, num_splits, n1, n2,
+    stride_ps, stride_p0, stride_p1, stride_p2, stride_pd,
+    stride_qs, stride_q0, stride_q1, stride_q2,
+    stride_o0, stride_o1, stride_o2, stride_od,
+    stride_l0, stride_l1, stride_l2,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the splits of one row (r0, r1, r2) over one BLOCK_D slice of its columns.
+
+    Grid (rows, cdiv(d, BLOCK_D)) with rows = n0 * n1 * n2. Partials OutP (S, n0, n1, n2, d) and
+    LseP (S, n0, n1, n2), any strides (the decode partials are (S, b, sq, h, d) and (S, b, h, sq),
+    read through strides). An online merge over BLOCK_S splits at a time (usually one step).
+    """
+    row = tl.program_id(0)
+    r0 = row // (n1 * n2)
+    r1 = (row // n2) % n1
+    r2 = row % n2
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    LseP = LseP + r0.to(tl.int64) * stride_q0 + r1 * stride_q1 + r2 * stride_q2
+    OutP = OutP + r0.to(tl.int64) * stride_p0 + r1 * stride_p1 + r2 * stride_p2
+
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(LseP + offs_s.to(tl.int64) * stride_qs, mask=offs_s < num_splits,
+                      other=float("-inf")).to(tl.float32)
+        live = lse > float("-inf")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2((lse - m_sub) * LOG2E)  # (BLOCK_S,), 0 for empty splits
+        alpha = tl.exp2((m - m_sub) * LOG2E)
+        # an empty split's output is never read: it may be anything, NaN included
+        o = tl.load(OutP + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+                    mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)
+    tl.store(Out + r0.to(tl.int64) * stride_o0 + r1 * stride_o1 + r2 * stride_o2 + offs_d * stride_od,
+             out.to(Out.dtype.element_ty), mask=d_ok)
+    lse_out = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+    tl.store(Lse + r0.to(tl.int64) * stride_l0 + r1 * stride_l1 + r2 * stride_l2, lse_out,
+             mask=tl.program_id(1) == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return configs.NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _optional(t, n):
+    """t's first n strides, or zeros when t is None (the kernel then never reads them)."""
+    return tuple(t.stride()[:n]) if t is not None else (0,) * n
+
+
+def combine(out_partial, lse_partial, out, lse, rows) -> None:
+    """Merge partials into out/lse in place.
+
+    out_partial (S, n0, n1, n2, d) and lse_partial (S, n0, n1, n2) given as views with those
+    dims (any strides), out (n0, n1, n2, d) and lse (n0, n1, n2) likewise; rows = (n0, n1, n2).
+    """
+    n0, n1, n2 = rows
+    num_splits, d = out_partial.shape[0], out_partial.shape[-1]
+    if n0 * n1 * n2 == 0:
+        return
+    cfg = configs.combine_config(num_splits, d)
+    grid = (n0 * n1 * n2, triton.cdiv(d, cfg.block_d))
+    _combine_kernel[grid](
+        out_partial, lse_partial, out, lse, num_splits, n1, n2,
+        *out_partial.stride(), *lse_partial.stride(), *out.stride(), *lse.stride(),
+        HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )
+
+
+def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor):
+    """out_partial (S, *, d) fp16/bf16/fp32, lse_partial (S, *) fp32 -> out (*, d) in out_partial's
+    dtype, lse (*) fp32 (the public merge_attention_states, checked by the API)."""
+    num_splits, d = out_partial.shape[0], out_partial.shape[-1]
+    lead = tuple(out_partial.shape[1:-1])
+    out = torch.empty(lead + (d,), dtype=out_partial.dtype, device=out_partial.device)
+    lse = torch.empty(lead, dtype=torch.float32, device=out_partial.device)
+    n = out.numel() // max(d, 1)
+    # flatten * into one row axis; reshape copies only when * cannot be viewed as one axis
+    combine(out_partial.reshape(num_splits, n, 1, 1, d), lse_partial.reshape(num_splits, n, 1, 1),
+            out.view(n, 1, 1, d), lse.view(n, 1, 1), (n, 1, 1))
+    return out, lse
+
+
+def _seqlens_args(cache_seqlens):
+    """(tensor or None, int): a tensor of lengths goes to the kernel; an int travels by value."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens, 0
+    return None, int(cache_seqlens)
+
+
+def _rotary_args(rotary_cos, rotary_sin):
+    if rotary_cos is None:
+        return 0, (0, 0, 0, 0)
+    return 2 * rotary_cos.shape[1], (*rotary_cos.stride(), *rotary_sin.stride())
+
+
+def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+              rotary_sin, rotary_interleaved) -> None:
+    """Write k/v (b, s_new, hk, d) into the cache at cache_seqlens[b] (in place; k rotated)."""
+    b, s_new, hk, d = k.shape
+    if b * s_new == 0:
+        return
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    seqlens, seqlen_const = _seqlens_args(cache_seqlens)
+    rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
+    block_t = min(16, triton.next_power_of_2(s_new))
+    _append_kernel[(triton.cdiv(s_new, block_t), hk, b)](
+        k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        *_optional(block_table, 1), *rotary_strides,
+        seqlen_const, s_new, capacity, k_cache.shape[0],
+        HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_T=block_t, PAGE_SIZE=page_size,
+        ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
+    )
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_batch_idx=None,
+                     cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                     rotary_interleaved=True, softmax_scale, window=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, num_splits=0, max_keys=None):
+    """Split-KV attention of q over the cache (new keys already appended). Checked inputs.
+
+    q (b, sq, h, d); k_cache/v_cache (b_cache, s_cache, hk, d), or pages (num_pages, page_size, hk,
+    d) with block_table (b, max_blocks) int32; cache_seqlens int or (b,) int32 (lengths before the
+    seqlen_new appended keys); cache_batch_idx / cache_leftpad (b,) int32; rotary_cos/sin
+    (seqlen_ro, rotary_dim / 2) rotate q (k was rotated by append_kv); window = (left, right), -1
+    unbounded. num_splits = 0 asks configs.decode_num_splits, given max_keys (the longest key range
+    known on the host, else the capacity). Returns out (b, sq, h, d) in q's dtype and lse (b, h, sq)
+    fp32.
+    """
+    b, sq, h, d = q.shape
+    hk = k_cache.shape[2]
+    group = h // hk
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    left, right = window
+    if sq == 1:
+        right = -1  # one query row sits at the last key: nothing is to its right
+    cfg = configs.decode_config(sq * group, d, q.dtype, page_size, q.device)
+    m_blocks = triton.cdiv(sq * group, cfg.block_m)
+    if num_splits == 0:
+        num_splits = configs.decode_num_splits(b * hk * m_blocks, capacity if max_keys is None else max_keys,
+                                               cfg.block_n, _num_sms(q.device))
+
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        o_buf, l_buf = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        o_buf = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
+        l_buf = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
+
+    seqlens, seqlen_const = _seqlens_args(cache_seqlens)
+    rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
+    if softcap > 0:  # _common.scores_log2: the cap comes before the log2(e) factor
+        qk_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E.value
+    slopes_strides = (0, 0)
+    if alibi_slopes is not None:
+        slopes_strides = (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else alibi_slopes.stride()
+    grid = (num_splits, hk * m_blocks, b)
+    _split_kernel[grid](
+        q, k_cache, v_cache, o_buf, l_buf, seqlens, cache_batch_idx, cache_leftpad, block_table,
+        alibi_slopes, rotary_cos, rotary_sin,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_buf.stride(), *l_buf.stride(),
+        *_optional(block_table, 1), *slopes_strides, *rotary_strides,
+        seqlen_const, sq, seqlen_new, capacity, k_cache.shape[0], m_blocks, num_splits,
+        max(left, 0), max(right, 0), qk_scale, softcap,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+        HAS_SOFTCAP=softcap > 0, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
+        ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        # rows (b, sq, h): the lse partials are (S, b, h, sq), so their row strides are permuted
+        combine(o_buf, l_buf.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1), (b, sq, h))
+    return out, lse
