@@ -28,7 +28,8 @@ DTYPES_RUN = ["float32", "float16"]
 REPEATS = 3
 BATCH, HEADS, KV_HEADS, HEADDIM = 1, 4, 2, 64
 NUM_SPLITS = 4  # Flash-Decoding splits of the demo's decode step
-INTERPRETER_MAX_SEQLEN = 128  # the interpreter runs each program in numpy: about 1 s at N=128
+# the interpreter runs each program in numpy: a prefill takes ~1 s at N=128, a decode ~0.15 s
+INTERPRETER_MAX_SEQLEN = {"prefill": 128, "decode": 512}
 ATOL = 1e-5  # the 2x rule's tiny atol (testing.assert_2x)
 
 
@@ -43,30 +44,32 @@ class Impl:
     baseline: bool = False  # plain torch in the input dtype: what the 2x rule compares against
 
 
-def _use_interpreter_without_gpu() -> str:
-    """Switch the Triton interpreter on for a CPU-only machine; say how Triton will run."""
+def _use_interpreter_without_gpu() -> tuple[str, str | None]:
+    """Switch the Triton interpreter on for a CPU-only machine. Returns (how Triton runs here, None)
+    or (the same, the reason it cannot run)."""
     if torch.cuda.is_available():
-        return f"CUDA ({torch.cuda.get_device_name()})"
+        return f"CUDA ({torch.cuda.get_device_name()})", None
     if "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ:
-        return "unavailable: triton was imported before the demo could set TRITON_INTERPRET=1"
+        why = "triton was imported before the demo could set TRITON_INTERPRET=1"
+        return f"unavailable: {why}", why
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] != "1":
-        return f"unavailable: no GPU, and TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} is set"
-    return f"Triton interpreter (TRITON_INTERPRET=1, numpy; N <= {INTERPRETER_MAX_SEQLEN} only)"
+        why = f"no GPU, and TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} is set"
+        return f"unavailable: {why}", why
+    limits = ", ".join(f"{phase} N <= {n}" for phase, n in INTERPRETER_MAX_SEQLEN.items())
+    return f"Triton interpreter (TRITON_INTERPRET=1, numpy; {limits})", None
 
 
-def implementations(triton_mode: str) -> list[Impl]:
+def implementations(triton_why_not: str | None) -> list[Impl]:
     """The registry: references always run; Triton entries when the API has them and Triton runs."""
     from flashtile import api  # after _use_interpreter_without_gpu: api may import triton
 
     cuda = torch.cuda.is_available()
-    max_n = None if cuda else INTERPRETER_MAX_SEQLEN
+    max_n = {phase: None for phase in INTERPRETER_MAX_SEQLEN} if cuda else INTERPRETER_MAX_SEQLEN
     sram = fa1.A100_SRAM_BYTES
 
     def triton_reason(fn: str) -> str | None:
-        if not hasattr(api, fn):
-            return f"flashtile.api has no {fn} yet"
-        return triton_mode if triton_mode.startswith("unavailable") else None
+        return f"flashtile.api has no {fn} yet" if not hasattr(api, fn) else triton_why_not
 
     def on_triton(fn):
         def run(q, k, v):
@@ -102,13 +105,13 @@ def implementations(triton_mode: str) -> list[Impl]:
         Impl("reference.fa2", "prefill", lambda q, k, v: fa2.forward(q, k, v, causal=True)[0], fa2_model, None),
         Impl("triton flash_attn_func", "prefill",
              on_triton(lambda q, k, v: api.flash_attn_func(q, k, v, causal=True)), fa2_model,
-             triton_reason("flash_attn_func"), max_n),
+             triton_reason("flash_attn_func"), max_n["prefill"]),
         Impl("torch SDPA", "prefill", sdpa(True), None, no_gpu),
         Impl("torch, S and P in memory", "decode", plain_torch, analysis.standard, None, baseline=True),
         Impl("reference.decoding", "decode",
              lambda q, k, v: decoding.attention(q, k, v, NUM_SPLITS, causal=True)[0], decoding_model, None),
         Impl("triton flash_attn_with_kvcache", "decode", on_triton(kvcache), decoding_model,
-             triton_reason("flash_attn_with_kvcache"), max_n),
+             triton_reason("flash_attn_with_kvcache"), max_n["decode"]),
         Impl("torch SDPA", "decode", sdpa(False), None, no_gpu),  # one query: is_causal would hide keys
     ]
 
@@ -192,8 +195,8 @@ def run(seqlens=SEQLENS, dtypes=DTYPES_RUN, repeats=REPEATS, file=None) -> int:
     from tqdm import tqdm
 
     file = file or sys.stdout
-    triton_mode = _use_interpreter_without_gpu()
-    impls = implementations(triton_mode)
+    triton_mode, triton_why_not = _use_interpreter_without_gpu()
+    impls = implementations(triton_why_not)
     cuda = torch.cuda.is_available()
     runnable = [i for i in impls if i.why_not is None]
     plan = [(dtype, phase, n, [i for i in runnable if i.phase == phase and (i.max_seqlen or n) >= n])

@@ -2,8 +2,9 @@
 
 `Problem` checks the arguments once, lays q, k, v out as (b, h, s, d) in the compute dtype and then
 hands out tiles: `scores` is one (Br, Bc) tile of S with scale, softcap, ALiBi and the bottom-right
-aligned mask applied exactly as `naive` does; `key_range` / `query_range` give the keys a block of
-queries can see (and back), so the loops can skip blocks that are fully masked.
+aligned mask applied exactly as `naive` does. `Mask` is the mask's geometry in integers: which K/V
+blocks a block of queries sees (and back), so the loops skip fully masked blocks, and the IO model
+(`analysis.io_model`) counts the same blocks.
 """
 
 from __future__ import annotations
