@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="input dtype: sets the element size (default: %(default)s)")
     analyze.add_argument("--sram", type=_positive_int, required=True, metavar="BYTES",
                          help="on-chip SRAM per SM in bytes (A100: 196608); sets FA1's block sizes")
-    analyze.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="roofline GPU (default: %(default)s)")
+    analyze.add_argument("--gpu", choices=sorted(GPUS), default="h100",
+                         help="roofline GPU (default: %(default)s)")
     analyze.add_argument("--block-m", type=_positive_int, default=report.BLOCK_M,
                          help="FA2 query rows per tile (default: %(default)s)")
     analyze.add_argument("--block-n", type=_positive_int, default=report.BLOCK_N,

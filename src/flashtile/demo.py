@@ -100,9 +100,11 @@ def implementations(triton_why_not: str | None) -> list[Impl]:
     no_gpu = None if cuda else "needs a CUDA GPU (the comparison with torch runs on GPUs)"
     return [
         Impl("torch, S and P in memory", "prefill", plain_torch, analysis.standard, None, baseline=True),
-        Impl("reference.fa1", "prefill", lambda q, k, v: fa1.forward(q, k, v, causal=True, sram_bytes=sram)[0],
+        Impl("reference.fa1", "prefill",
+             lambda q, k, v: fa1.forward(q, k, v, causal=True, sram_bytes=sram)[0],
              lambda sq, sk, d, e: analysis.fa1(sq, sk, d, e, fa1.block_sizes(sram, d, e)[1]), None),
-        Impl("reference.fa2", "prefill", lambda q, k, v: fa2.forward(q, k, v, causal=True)[0], fa2_model, None),
+        Impl("reference.fa2", "prefill", lambda q, k, v: fa2.forward(q, k, v, causal=True)[0],
+             fa2_model, None),
         Impl("triton flash_attn_func", "prefill",
              on_triton(lambda q, k, v: api.flash_attn_func(q, k, v, causal=True)), fa2_model,
              triton_reason("flash_attn_func"), max_n["prefill"]),
@@ -151,7 +153,9 @@ class Row:
     failure: str = ""
 
 
-def _run_case(dtype: str, phase: str, n: int, impls: list[Impl], repeats: int, cuda: bool, gen, bar) -> list[Row]:
+def _run_case(dtype: str, phase: str, n: int, impls: list[Impl], repeats: int, cuda: bool, gen,
+              bar) -> list[Row]:
+    """Run one (dtype, phase, N) for the given entries; one Row each, failures kept, never raised."""
     device = "cuda" if cuda else "cpu"
     q, k, v = (testing.randn(BATCH, n, heads, HEADDIM, dtype=DTYPES[dtype], device=device, generator=gen)
                for heads in (HEADS, KV_HEADS, KV_HEADS))

@@ -46,7 +46,8 @@ def summary(seqlen: int, headdim: int, dtype: str, sram_bytes: int, gpu: str = "
                            "hbm_TBps": g.hbm_tbps, "source": g.source}},
         "per": "one (batch, head); decoding: one query over seqlen keys",
     }
-    for name, (cost, params) in costs(seqlen, headdim, dtype, sram_bytes, block_m, block_n, num_splits).items():
+    rows = costs(seqlen, headdim, dtype, sram_bytes, block_m, block_n, num_splits)
+    for name, (cost, params) in rows.items():
         seconds, bound = roofline(cost, g, dtype)
         out[name] = {"flops": cost.flops, "hbm_bytes": cost.hbm_bytes, "bytes_read": cost.bytes_read,
                      "bytes_written": cost.bytes_written, "scratch_bytes": cost.scratch_bytes,
@@ -63,7 +64,8 @@ def text(summary: dict) -> str:
         f"({inp['element_size']} B/element), SRAM {inp['sram_bytes']} B",
         f"roofline on {g['name']}: {g['tflops']:g} TFLOP/s, {g['hbm_TBps']:g} TB/s ({g['source']}); "
         "HBM only, L2 not modelled",
-        f"{'algorithm':<10} {'tiles':<18} {'GFLOP':>10} {'HBM MB':>12} {'FLOP/B':>8} {'roofline us':>12}  bound",
+        f"{'algorithm':<10} {'tiles':<18} {'GFLOP':>10} {'HBM MB':>12} {'FLOP/B':>8} "
+        f"{'roofline us':>12}  bound",
     ]
     tiles = {"standard": lambda r: f"{r['kernels']} kernels",
              "fa1": lambda r: f"B_r={r['block_r']} B_c={r['block_c']}",
@@ -71,7 +73,8 @@ def text(summary: dict) -> str:
              "decoding": lambda r: f"1 query, {r['num_splits']} splits"}
     for name in ALGORITHMS:
         r = summary[name]
-        lines.append(f"{name:<10} {tiles[name](r):<18} {r['flops'] / 1e9:>10.4g} {r['hbm_bytes'] / 1e6:>12.4f} "
+        lines.append(f"{name:<10} {tiles[name](r):<18} {r['flops'] / 1e9:>10.4g} "
+                     f"{r['hbm_bytes'] / 1e6:>12.4f} "
                      f"{r['arithmetic_intensity']:>8.1f} {r['roofline_s'] * 1e6:>12.4g}  {r['bound']}")
     return "\n".join(lines)
 
@@ -79,27 +82,29 @@ def text(summary: dict) -> str:
 def plot(path: str, headdim: int, dtype: str, sram_bytes: int, gpu: str = "h100",
          seqlens=PLOT_SEQLENS, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
          num_splits: int = NUM_SPLITS) -> None:
-    """Two log-log panels against seqlen: HBM bytes and roofline time, per (batch, head)."""
-    import matplotlib
+    """Two log-log panels against seqlen: HBM bytes and roofline time, per (batch, head).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Draws on a bare `Figure` (rendered by Agg), so pyplot's global state and backend stay untouched.
+    """
+    from matplotlib.figure import Figure
 
     g = get_gpu(gpu)
     rows = [costs(n, headdim, dtype, sram_bytes, block_m, block_n, num_splits) for n in seqlens]
     labels = {"standard": "standard (S, P in HBM)", "fa1": "FA1 (Algorithm 1)", "fa2": "FA2",
               "decoding": f"Flash-Decoding (1 query, {num_splits} splits)"}
-    fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    ax_bytes, ax_time = fig.subplots(1, 2)
     for name in ALGORITHMS:
         hbm = [r[name][0].hbm_bytes for r in rows]
         secs = [roofline(r[name][0], g, dtype)[0] * 1e6 for r in rows]
         style = "--" if name == "decoding" else "-"
         ax_bytes.plot(seqlens, hbm, style, marker="o", ms=3, label=labels[name])
         ax_time.plot(seqlens, secs, style, marker="o", ms=3, label=labels[name])
-    ax_bytes.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="HBM bytes per (batch, head)",
-                 title="HBM traffic")
-    ax_time.set(xscale="log", yscale="log", xlabel="sequence length N",
-                ylabel="roofline time per (batch, head) [µs]",
+    compute_us = [r["fa2"][0].flops / g.peak_flops(dtype) * 1e6 for r in rows]
+    ax_time.plot(seqlens, compute_us, ":", color="black", label="compute roof alone (prefill FLOPs / peak)")
+    ax_bytes.set(yscale="log", xlabel="sequence length N", ylabel="HBM bytes per (batch, head)",
+                 title="HBM traffic (L2 not modelled)")
+    ax_time.set(yscale="log", xlabel="sequence length N", ylabel="roofline time per (batch, head) [µs]",
                 title=f"Roofline on {g.name} ({g.peak_flops(dtype) / 1e12:g} TFLOP/s, {g.hbm_tbps:g} TB/s)")
     for ax in (ax_bytes, ax_time):
         ax.set_xscale("log", base=2)
@@ -109,4 +114,3 @@ def plot(path: str, headdim: int, dtype: str, sram_bytes: int, gpu: str = "h100"
     fig.suptitle(f"Attention forward, d={headdim}, {dtype}; SRAM {sram_bytes} B -> FA1 blocks "
                  f"{block_r}x{block_c}; FA2 blocks {block_m}x{block_n}")
     fig.savefig(path, dpi=120)
-    plt.close(fig)

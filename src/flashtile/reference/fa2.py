@@ -25,7 +25,8 @@ BLOCK_M = 128
 BLOCK_N = 128
 
 
-def attend(p: _tiles.Problem, lo: int, hi: int, block_m: int, block_n: int, io) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(p: _tiles.Problem, lo: int, hi: int, block_m: int, block_n: int,
+           io) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1 over the keys [lo, hi) only: (O (b, h, sq, d), L (b, h, sq)) in p.dtype.
 
     The K/V block grid starts at lo, so `decoding` runs this once per split of the keys. Rows that see
