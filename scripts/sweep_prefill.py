@@ -4,7 +4,7 @@ Replaces one configs function at a time (forward, dK/dV, dQ) and times the forwa
 backward at bf16, seqlen 4096, batch x seqlen = 16k, nheads x d = 2048, causal and not. Prints a
 table and writes sweep.json to the folder given as the first argument.
 
-    PYTHONPATH=src python scripts/sweep_prefill.py OUTDIR [d,d,...]
+    PYTHONPATH=src python scripts/sweep_prefill.py OUTDIR [d,d,...] [seqlen,seqlen,...] [kernel,...]
 """
 
 import json
@@ -24,21 +24,24 @@ CANDIDATES = {
              C(128, 32, 4, 4), C(64, 128, 4, 3), C(128, 128, 4, 3)],
         128: [C(128, 64, 8, 3), C(128, 128, 8, 3), C(128, 64, 4, 3), C(64, 64, 4, 3), C(128, 32, 4, 3),
               C(128, 128, 8, 2), C(64, 128, 4, 3), C(128, 64, 8, 4)],
-        256: [C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 3), C(64, 64, 8, 2)],
+        256: [C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 3), C(64, 64, 8, 2),
+              C(128, 64, 8, 3), C(64, 32, 8, 2)],
     },
     "dkdv": {
         64: [C(64, 128, 8, 2), C(32, 128, 8, 2), C(64, 64, 4, 2), C(32, 64, 4, 3), C(64, 128, 8, 3),
              C(128, 128, 8, 2), C(32, 128, 4, 3)],
         128: [C(64, 128, 8, 2), C(32, 128, 8, 2), C(64, 64, 4, 2), C(32, 64, 4, 2), C(64, 128, 8, 1),
               C(32, 128, 8, 3), C(64, 64, 8, 3)],
-        256: [C(32, 64, 4, 1), C(32, 64, 8, 2), C(16, 64, 4, 2), C(64, 64, 8, 1), C(32, 32, 4, 2)],
+        256: [C(32, 64, 4, 1), C(32, 64, 8, 2), C(32, 64, 8, 1), C(64, 64, 8, 1), C(32, 32, 4, 2),
+              C(64, 32, 4, 1), C(16, 64, 8, 2), C(32, 128, 8, 1)],
     },
     "dq": {
         64: [C(128, 64, 8, 2), C(128, 32, 4, 2), C(64, 64, 4, 2), C(128, 128, 8, 2), C(64, 32, 4, 3),
              C(128, 64, 8, 3)],
         128: [C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2), C(128, 32, 4, 3), C(64, 32, 4, 2),
               C(128, 64, 8, 3)],
-        256: [C(64, 32, 4, 1), C(64, 64, 8, 1), C(32, 32, 4, 2), C(64, 32, 8, 2)],
+        256: [C(64, 32, 4, 1), C(64, 64, 8, 1), C(32, 32, 4, 2), C(64, 32, 8, 2), C(64, 64, 8, 2),
+              C(128, 32, 8, 2), C(32, 64, 4, 2)],
     },
 }
 PATCH = {"forward": "forward_config", "dkdv": "dkdv_config", "dq": "dq_config"}
@@ -67,25 +70,31 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384):
 def main():
     out_dir = sys.argv[1]
     ds = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [64, 128]
+    seqlens = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [4096]
+    kernels = sys.argv[4].split(",") if len(sys.argv) > 4 else list(CANDIDATES)
     rows = []
-    for kernel, per_d in CANDIDATES.items():
+    for kernel in kernels:
         for d in ds:
-            for causal in (False, True):
-                for cfg in per_d[d]:
-                    try:
-                        ms, tflops = time_config(kernel, cfg, d, causal)
-                    except Exception as e:
-                        print(f"{kernel:7s} d={d} causal={causal:d} {tuple(cfg)}: {repr(e)[:100]}", flush=True)
-                        continue
-                    rows.append(dict(kernel=kernel, d=d, causal=causal, config=list(cfg), ms=ms, tflops=tflops))
-                    print(f"{kernel:7s} d={d:3d} causal={causal:d} {tuple(cfg)!s:20s} {ms:7.3f} ms "
-                          f"{tflops:6.1f} TFLOP/s", flush=True)
+            for seqlen in seqlens:
+                for causal in (False, True):
+                    for cfg in CANDIDATES[kernel][d]:
+                        try:
+                            ms, tflops = time_config(kernel, cfg, d, causal, seqlen)
+                        except Exception as e:
+                            print(f"{kernel:7s} d={d} s={seqlen} causal={causal:d} {tuple(cfg)}: {repr(e)[:100]}",
+                                  flush=True)
+                            continue
+                        rows.append(dict(kernel=kernel, d=d, seqlen=seqlen, causal=causal, config=list(cfg),
+                                         ms=ms, tflops=tflops))
+                        print(f"{kernel:7s} d={d:3d} s={seqlen:5d} causal={causal:d} {tuple(cfg)!s:20s} "
+                              f"{ms:7.3f} ms {tflops:6.1f} TFLOP/s", flush=True)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+    name = f"sweep_d{'-'.join(map(str, ds))}_s{'-'.join(map(str, seqlens))}.json"
+    with open(os.path.join(out_dir, name), "w") as f:
         json.dump({"env": harness.environment(), "rows": rows}, f, indent=1)
     best = {}
     for r in rows:
-        key = (r["kernel"], r["d"], r["causal"])
+        key = (r["kernel"], r["d"], r["seqlen"], r["causal"])
         if key not in best or r["tflops"] > best[key]["tflops"]:
             best[key] = r
     for key, r in sorted(best.items()):

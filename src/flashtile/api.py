@@ -168,7 +168,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     sq, sk = q.shape[1], k.shape[1]
     scale_, window, softcap = _check_common(q, k, v, scale, False, (-1, -1), 0.0, None, 0.0)
     if is_causal:
-        window = (None, sq - sk)  # top-left: j <= i, i.e. bottom-right with right = sq - sk
+        # top-left: query i sees keys j <= i. With sq <= sk no query sees past key sq - 1, so that
+        # is bottom-right causal over the first sq keys; with sq > sk it is a window right = sq - sk.
+        if sq <= sk:
+            k, v, window = k[:, :sq], v[:, :sq], (None, 0)
+        else:
+            window = (None, sq - sk)
     out, _ = _attention(q, k, v, scale_, window, softcap, None)
     return out.transpose(1, 2)
 

@@ -26,12 +26,15 @@ def padded_headdim(d: int) -> int:
 INTERPRETER_CONFIG = BlockConfig(16, 16, 4, 1)
 
 
-def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
+def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
+                   seqlen_k: int) -> BlockConfig:
     """Tiles for ops.forward on an H100 (sm_90).
 
-    From scripts/sweep_prefill.py (bf16, seqlen 4096, 16k tokens, benchmarks/results/h100/sweep.json):
-    d=64: (128, 64, 4 warps, 3 stages) 398 TFLOP/s, next (64, 128, 4, 3) 369, 8 warps <= 333.
-    d=128: (128, 128, 8, 3) 446 (causal 362), (64, 64, 4, 3) 419 (365), (128, 64, 4, 3) spills: 118.
+    From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_*.json):
+    d=64: (128, 64, 4 warps, 3 stages) is best at 1k and 4k (398 TFLOP/s at 4k), 8 warps <= 333.
+    d=128: at 4k non-causal (128, 128, 8, 3) 446 vs (64, 64, 4, 3) 419; causal 362 vs 365; at 1k
+    (64, 64, 4, 3) wins: 327 vs 301, causal 213 vs 183. (128, 64, 4, 3) spills: 118.
+    d=256: (128, 64, 8, 2) 458 / causal 359 at 4k; (64, 64, 4, 2) 250.
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
@@ -41,8 +44,8 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
     if bd <= 64:
         return BlockConfig(128, 64, 4, 3)
     if bd <= 128:
-        return BlockConfig(128, 128, 8, 3)
-    return BlockConfig(64, 64, 4, 2)
+        return BlockConfig(128, 128, 8, 3) if not causal and seqlen_k >= 4096 else BlockConfig(64, 64, 4, 3)
+    return BlockConfig(128, 64, 8, 2)
 
 
 def delta_config(d: int, device: torch.device) -> BlockConfig:
@@ -56,7 +59,8 @@ def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) 
     """Tiles for the dK/dV kernel: block_n keys stay put, block_m query rows stream past.
 
     Sweep (whole backward TFLOP/s, bf16, seqlen 4096): d=64 (32, 128, 4, 3) 244 / causal 197, the
-    8-warp tiles 185-210; d=128 (64, 64, 4, 2) 298 / 230, (64, 128, 8, 1) 291 / 247.
+    8-warp tiles 185-210; d=128 (64, 64, 4, 2) 298 / 230, (64, 128, 8, 1) 291 / 247 (same order at
+    1k). d=256: (32, 64, 4, 1) spills (whole backward 52); (32, 32, 4, 2) 167, causal (64, 64, 8, 1) 153.
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
@@ -67,14 +71,15 @@ def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) 
         return BlockConfig(32, 128, 4, 3)
     if bd <= 128:
         return BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
-    return BlockConfig(32, 64, 4, 1)
+    return BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
 
 
 def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
     """Tiles for the dQ kernel: block_m query rows stay put, block_n keys stream past.
 
     Sweep (whole backward, bf16, seqlen 4096): d=64 (64, 32, 4, 3) 239 / causal 189;
-    d=128 (64, 64, 4, 2) 301 / 234, (128, 64, 8, 3) 298 / 232.
+    d=128 (64, 64, 4, 2) 301 / 234, (128, 64, 8, 3) 298 / 232. d=256: all seven candidates within
+    noise of each other behind the old spilling dK/dV tile; (64, 32, 4, 1) kept.
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG

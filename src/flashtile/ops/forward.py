@@ -163,7 +163,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     if out is None:
         out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    cfg = configs.forward_config(d, q.dtype, q.device, causal=window[1] == 0)
+    cfg = configs.forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk)
     block_d = configs.padded_headdim(d)
     qk_scale, softcap = _scale_args(softmax_scale, softcap)
     slopes, stride_sb, stride_sh = _slopes_args(alibi_slopes, b, h, q.device)

@@ -114,7 +114,7 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
     s, ok, _ = _scores(qh, kh, scale, window, softcap, alibi_slopes, shape)
     p, lse = _softmax(s, ok)
     if dropout_mask is not None:
-        p = p * dropout_mask / (1.0 - dropout_p)
+        p = p * (dropout_mask.to(p.dtype) / (1.0 - dropout_p))
     out = p.to(vh.dtype) @ vh  # (b, h, sq, d)
     return out.transpose(1, 2), lse
 
@@ -133,7 +133,7 @@ def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, window_s
     doh = dout.transpose(1, 2).to(qh.dtype)  # (b, h, sq, d)
     s, ok, tanh = _scores(qh, kh, scale, window, softcap, alibi_slopes, shape)
     p, _ = _softmax(s, ok)  # (b, h, sq, sk)
-    keep = 1.0 if dropout_mask is None else dropout_mask / (1.0 - dropout_p)
+    keep = 1.0 if dropout_mask is None else dropout_mask.to(p.dtype) / (1.0 - dropout_p)
     p_drop = p * keep
     out = p_drop.to(vh.dtype) @ vh  # (b, h, sq, d)
     dv = p_drop.to(doh.dtype).transpose(-1, -2) @ doh  # (b, h, sk, d)
