@@ -35,8 +35,12 @@ def _sdpa(backend):
 
 
 def _flex():
+    import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # the backward is timed repeatedly over one graph (retain_graph=True), which compiled graphs
+    # with donated buffers refuse
+    torch._functorch.config.donated_buffer = False
     compiled = torch.compile(flex_attention)
     masks = {}
 
@@ -179,6 +183,32 @@ def plot(json_path: str, out_dir: str) -> list[str]:
     return paths
 
 
+def summary(json_path: str) -> str:
+    """Markdown table from prefill.json: flashtile against SDPA-flash (FA2) and cuDNN, as ratios."""
+    with open(json_path) as f:
+        data = json.load(f)
+    idx = {(r["impl"], r["d"], r["causal"], r["seqlen"]): r for r in data["rows"] if "error" not in r}
+    lines = ["| d | causal | seqlen | fwd flashtile / FA2 / cuDNN (TFLOP/s) | fwd vs FA2 | fwd vs cuDNN "
+             "| bwd flashtile / FA2 / cuDNN | bwd vs FA2 | bwd vs cuDNN | peak MB flashtile / FA2 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (impl, d, causal, seqlen), r in sorted(idx.items(), key=lambda kv: kv[0][1:]):
+        fa2, cudnn = idx.get(("sdpa-flash", d, causal, seqlen)), idx.get(("cudnn", d, causal, seqlen))
+        if impl != "flashtile" or fa2 is None or cudnn is None:
+            continue
+        cells = [str(d), "yes" if causal else "no", str(seqlen)]
+        for direction in ("fwd", "bwd"):
+            key = f"{direction}_tflops"
+            cells += [f"{r[key]:.0f} / {fa2[key]:.0f} / {cudnn[key]:.0f}",
+                      f"{r[key] / fa2[key]:.2f}x", f"{r[key] / cudnn[key]:.2f}x"]
+        cells.append(f"{r['peak_mem_mb']:.0f} / {fa2['peak_mem_mb']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    env = data["env"]
+    lines.append(f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
+                 f"`{env['command']}`; ceilings: copy {data['ceilings']['copy_GBps']:.0f} GB/s, "
+                 f"bf16 matmul {data['ceilings']['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+    return "\n".join(lines) + "\n"
+
+
 def _ints(s):
     return [int(x) for x in s.split(",")]
 
@@ -206,6 +236,10 @@ def main(argv=None) -> None:
         harness.write_result(path, run(args))
     for png in plot(path, out):
         print(f"wrote {png}")
+    table = summary(path)
+    with open(os.path.join(out, "prefill.md"), "w") as f:
+        f.write(table)
+    print(table)
 
 
 if __name__ == "__main__":
