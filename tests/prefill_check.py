@@ -32,7 +32,7 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, device, layout="bshd"):
 
 
 def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi=False, layout="bshd", backward=True, factor=2):
+                  alibi=False, layout="bshd", backward=True, factor=2, deterministic=False):
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device, layout)
     scale = d ** -0.5
     left, right = window[0], (0 if causal else window[1])
@@ -53,7 +53,7 @@ def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, 
     grads = [torch.empty_like(t) for t in (q, k, v)]
     poison(*grads)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, scale, win, softcap, kw["alibi_slopes"],
-                                    *grads)
+                                    *grads, deterministic=deterministic)
     ref = naive.attention_backward(dout, q, k, v, **kw, compute_dtype=torch.float64)
     base = naive.attention_backward(dout, q, k, v, **kw)
     for name, got, r, bb in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):

@@ -144,4 +144,4 @@ def test_custom_ops_pass_opcheck():
     from flashtile import autograd
 
     q, k, v = qkv(1, 12, 15, 2, 1, 8, requires_grad=True)
-    torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, "reference"))
+    torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, False, "reference"))

@@ -55,23 +55,32 @@ def test_api_autograd_matches_kernels():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def test_backward_is_deterministic():
-    """A large backward 50 times: out, LSE, dQ, dK, dV bitwise equal (no atomics, no races)."""
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-kernel"])
+def test_backward_is_reproducible(deterministic):
+    """A large backward 50 times: out, LSE, dK, dV bitwise equal (no races); dQ too when
+    deterministic (with atomics its additions may land in any order)."""
     q, k, v = make_qkv(4, 4096, 4096, 16, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     from flashtile.ops.backward import attention_backward
     from flashtile.ops.forward import attention_forward
 
+    names = ("out", "lse", "dk", "dv") + (("dq",) if deterministic else ())
     first = None
     for _ in range(50):
         out, lse = attention_forward(q, k, v, 128 ** -0.5, (None, 0))
-        grads = attention_backward(dout, q, k, v, out, lse, 128 ** -0.5, (None, 0))
-        now = (out, lse, *grads)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, 128 ** -0.5, (None, 0),
+                                        deterministic=deterministic)
+        now = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
         if first is None:
-            first = [t.clone() for t in now]
-        else:
-            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), now, first):
-                assert torch.equal(a, b), name
+            first = {n: now[n].clone() for n in names}
+        for n in names:
+            assert torch.equal(now[n], first[n]), n
+
+
+@pytest.mark.parametrize("d", [64, 111, 128, 256])
+def test_deterministic_dq_kernel(d):
+    check_prefill(2, 1023, 1024, 4, 2, d, torch.bfloat16, "cuda", causal=True, deterministic=True)
+    check_prefill(2, 512, 256, 4, 1, d, torch.float16, "cuda", deterministic=True)
 
 
 def test_torch_compile_fullgraph():

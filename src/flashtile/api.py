@@ -63,11 +63,12 @@ def _unsupported(dropout_p, name="dropout_p"):
             "use dropout_p=0.0, or torch.nn.functional.scaled_dot_product_attention")
 
 
-def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes):
+def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, deterministic):
     """Checked BSHD inputs and a (left, right) window with None = unbounded -> (out, lse)."""
     backend = backend_for(q)
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
     return autograd.attention_fwd(q, k, v, softmax_scale, window[0], window[1], softcap,
-                                  alibi_slopes, backend)
+                                  alibi_slopes, deterministic, backend)
 
 
 def _check_common(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
@@ -106,7 +107,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = unbounded.
         softcap: > 0 caps scores as softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: accepted for compatibility; the backward is always deterministic (no atomics).
+        deterministic: the backward computes dQ in its own kernel instead of accumulating it with
+            atomics, so dQ is bitwise reproducible (dK, dV always are); slower, as it recomputes
+            P and dP there (benchmarks/results/h100/prefill.md, "flashtile-det").
+            Also on under torch.use_deterministic_algorithms(True).
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.
@@ -116,7 +120,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     scale, window, softcap = _check_common(q, k, v, softmax_scale, causal, window_size, softcap,
                                            alibi_slopes, dropout_p)
-    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -174,7 +178,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             k, v, window = k[:, :sq], v[:, :sq], (None, 0)
         else:
             window = (None, sq - sk)
-    out, _ = _attention(q, k, v, scale_, window, softcap, None)
+    out, _ = _attention(q, k, v, scale_, window, softcap, None, False)
     return out.transpose(1, 2)
 
 

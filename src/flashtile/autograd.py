@@ -6,7 +6,7 @@ sees an opaque op with known output shapes (the fake impls) and a registered bac
 
 `backend` is "triton" (ops/, on CUDA or under TRITON_INTERPRET=1) or "reference" (the blockwise
 PyTorch FA2 of reference/fa2.py); api.py picks it by the dispatch rule. A window side of None is
-unbounded; right may be negative (torch's top-left causal with seqlen_q < seqlen_k).
+unbounded. `deterministic` selects the dQ kernel over atomic dQ accumulation (ops/backward.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def _window(left: Optional[int], right: Optional[int]) -> tuple[int, int]:
 @torch.library.custom_op("flashtile::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                   window_left: Optional[int], window_right: Optional[int], softcap: float,
-                  alibi_slopes: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
         from flashtile.ops.forward import attention_forward
 
@@ -38,7 +39,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
 
 
 @attention_fwd.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend):
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, backend):
     b, sq, h, d = q.shape
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -47,13 +48,13 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, 
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
                   window_left: Optional[int], window_right: Optional[int], softcap: float,
-                  alibi_slopes: Optional[torch.Tensor],
+                  alibi_slopes: Optional[torch.Tensor], deterministic: bool,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
         from flashtile.ops.backward import attention_backward
 
         return attention_backward(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right),
-                                  softcap, alibi_slopes)
+                                  softcap, alibi_slopes, deterministic=deterministic)
     from flashtile.reference import fa2
 
     dq, dk, dv = fa2.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
@@ -63,26 +64,27 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend):
+def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+      deterministic, backend):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend = inputs
+    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
+    ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic, backend)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    softmax_scale, window_left, window_right, softcap, backend = ctx.args
+    softmax_scale, window_left, window_right, softcap, deterministic, backend = ctx.args
     # dlse is not propagated: the LSE is returned for inspection/merging, like flash-attn.
     dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
-                               softcap, alibi_slopes, backend)
-    return dq, dk, dv, None, None, None, None, None, None
+                               softcap, alibi_slopes, deterministic, backend)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,8 @@
 """`flashtile bench prefill`: forward and backward TFLOP/s against the peers, in one run.
 
 Shapes are the FA2/FA3 papers' (BENCHMARKS.md): bf16, batch x seqlen = 16384 tokens,
-nheads x headdim = 2048. Peers: SDPA's FlashAttention-2, cuDNN and memory-efficient backends and
+nheads x headdim = 2048. flashtile-det is flashtile with deterministic=True (dQ kernel, no atomics).
+Peers: SDPA's FlashAttention-2, cuDNN and memory-efficient backends and
 FlexAttention (torch.compile'd, with a causal block mask). Each implementation's output is checked
 against SDPA-flash before it is timed. FLOPs: forward 4*b*h*s*s*d (half when causal), backward 2.5x.
 
@@ -19,7 +20,7 @@ import torch
 
 from flashtile.bench import harness
 
-PEERS = ("flashtile", "sdpa-flash", "cudnn", "mem-efficient", "flex")
+PEERS = ("flashtile", "flashtile-det", "sdpa-flash", "cudnn", "mem-efficient", "flex")
 
 
 def _sdpa(backend):
@@ -64,6 +65,8 @@ def implementations(names):
 
     table = {
         "flashtile": lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal),
+        "flashtile-det": lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal,
+                                                                           deterministic=True),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "mem-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -109,7 +112,7 @@ def run(args) -> dict:
                 batch, nheads = args.tokens // seqlen, 2048 // d
                 f = flops(batch, nheads, seqlen, d, causal)
                 for name, fn in impls.items():
-                    if name == "flex" and d not in args.flex_headdims:
+                    if name == "flex" and (d not in args.flex_headdims or seqlen not in args.flex_seqlens):
                         continue
                     try:
                         fwd, bwd, peak, err = measure(fn, batch, seqlen, nheads, d, causal, dtype,
@@ -223,6 +226,7 @@ def main(argv=None) -> None:
     p.add_argument("--peers", type=lambda s: s.split(","), default=list(PEERS))
     p.add_argument("--flex-headdims", type=_ints, default=[128],
                    help="FlexAttention compiles per shape; limit it to these head dims")
+    p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
     out = args.out or os.path.join("benchmarks", "results", harness.gpu_slug())

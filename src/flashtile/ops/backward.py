@@ -1,10 +1,13 @@
 """FA2-style backward: recompute P from the saved LSE, no atomics, deterministic.
 
-Three launches:
+Launches:
   1. delta = rowsum(dO * O)                                   (b, h, sq), the FA2 preprocess
   2. dK, dV: one program per (K/V block, batch x kv head); it loops over the query heads of its
-     GQA group and over their Q blocks, so the group reduction happens in registers.
-  3. dQ: one program per (Q block, batch x head); it loops over K/V blocks.
+     GQA group and over their Q blocks, so the group reduction happens in registers. By default it
+     also adds dS K into an fp32 dQ accumulator with atomics (FA2's choice: 5 matmuls per block
+     pair instead of 7); dQ then depends on the order of those additions.
+  3. deterministic=True instead runs a dQ kernel: one program per (Q block, batch x head) looping
+     over K/V blocks, recomputing P and dP (7 matmuls, no atomics, bitwise reproducible).
 Both loops skip the blocks that the mask hides and run the fully visible ones without mask work
 (ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
 """
@@ -48,25 +51,26 @@ def _load_lse2(Lse, offs, n):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m, sq, sk,
-               diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, q_doffs,
-               do_doffs, d_mask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n, start_m, sq, sk,
+               diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, stride_dqm,
+               q_doffs, do_doffs, dq_doffs, d_mask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+               EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
     do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
     if MASKED:
-        row_mask = (offs_m[:, None] < sq) & d_mask
-        q = tl.load(q_ptrs, mask=row_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-    elif EVEN_D:
+        io_mask = (offs_m[:, None] < sq) & d_mask
+    else:
+        io_mask = d_mask
+    if EVEN_D and not MASKED:
         q = tl.load(q_ptrs)
         do = tl.load(do_ptrs)
     else:
-        q = tl.load(q_ptrs, mask=d_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=d_mask, other=0.0)
+        q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=io_mask, other=0.0)
     lse2 = _load_lse2(lse_base, offs_m, sq)
     delta = tl.load(delta_base + offs_m, mask=offs_m < sq, other=0.0)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -78,26 +82,35 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, star
         p_t = tl.where(ok, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-    ds_t = p_t * (dp_t - delta[None, :]) * dcap_t
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    ds_t = (p_t * (dp_t - delta[None, :]) * dcap_t).to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D), unscaled
+        dq_ptrs = dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + dq_doffs
+        if EVEN_D and not MASKED:
+            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        else:
+            tl.atomic_add(dq_ptrs, dq, mask=io_mask, sem="relaxed")
     return dk, dv
 
 
 @triton.heuristics({"EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"]})
 @triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _dkdv_kernel(
-    Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
+    Q, K, V, dO, Lse, Delta, dK, dV, dQacc, Slopes,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h,
     nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
     head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
@@ -120,6 +133,7 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     q_doffs = offs_d[None, :] * stride_qd
     do_doffs = offs_d[None, :] * stride_dod
+    dq_doffs = offs_d[None, :] * stride_dqd
 
     # Rows that can see this key block: the block_range of keys-over-rows (offset and sides swap).
     lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
@@ -131,24 +145,28 @@ def _dkdv_kernel(
             slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        dq_base = dQacc + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
         row_base = (b * nheads + h).to(tl.int64) * sq
         lse_base = Lse + row_base
         delta_base = Delta + row_base
         for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
-                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
-                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n,
+                                start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                                stride_qm, stride_dom, stride_dqm, q_doffs, do_doffs, dq_doffs, d_mask,
+                                BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                ATOMIC_DQ, DOT_PRECISION)
         for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
-                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
-                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, False, EVEN_D, HAS_LEFT,
-                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n,
+                                start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                                stride_qm, stride_dom, stride_dqm, q_doffs, do_doffs, dq_doffs, d_mask,
+                                BLOCK_M, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                ATOMIC_DQ, DOT_PRECISION)
         for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
-                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
-                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n,
+                                start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                                stride_qm, stride_dom, stride_dqm, q_doffs, do_doffs, dq_doffs, d_mask,
+                                BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                ATOMIC_DQ, DOT_PRECISION)
 
     dk = dk * softmax_scale
     tl.store(dK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
@@ -206,7 +224,10 @@ def _dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if HAS_RIGHT:  # causal-like: the last Q blocks see the most keys; start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
@@ -257,11 +278,13 @@ def _dq_kernel(
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
-                       softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None):
+                       softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None,
+                       deterministic: bool = False):
     """Launch the backward. Shapes as ops.forward.attention_forward; lse (b, h, sq) float32.
 
     Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group); written into the
-    given dq/dk/dv when passed (e.g. views of one packed gradient buffer).
+    given dq/dk/dv when passed (e.g. views of one packed gradient buffer). dk and dv are always
+    bitwise reproducible; dq is too with deterministic=True (separate dQ kernel, no atomics).
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -282,14 +305,19 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         out, dout, delta, *out.stride(), *dout.stride(), h, sq,
         head_dim=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps)
 
+    # fp32 accumulator for the atomic dQ; in deterministic mode the kernel never touches it
+    dq_acc = dq if deterministic else torch.zeros((b, sq, h, d), dtype=torch.float32, device=q.device)
     cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
     _dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
-        q, k, v, dout, lse, delta, dk, dv, slopes,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        stride_sb, stride_sh,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, slopes,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq_acc.stride(), *dk.stride(),
+        *dv.stride(), stride_sb, stride_sh,
         h, hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,
         head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ATOMIC_DQ=not deterministic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not deterministic:
+        dq.copy_(dq_acc.mul_(softmax_scale))
+        return dq, dk, dv
 
     cfg = configs.dq_config(d, q.dtype, q.device, causal)
     _dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](

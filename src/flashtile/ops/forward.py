@@ -72,7 +72,10 @@ def _fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if HAS_RIGHT:  # causal-like: the last Q blocks see the most keys; start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
