@@ -152,8 +152,9 @@ def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) 
     1. programs >= DECODE_NO_SPLIT_FILL x slots (large batch: 256 x 2 KV heads): no split, so no
        partials and no combine kernel. Splitting could not make a full GPU read faster.
     2. Otherwise cut the keys so the grid fills the slots DECODE_ROUNDS times: floor(rounds x slots
-       / programs), e.g. batch 1 x 2 KV heads at 128k keys -> 264 splits, 528 programs. One round
-       would leave the GPU idle behind the slowest program; two rounds of equal work end together.
+       / programs), e.g. batch 1 x 2 KV heads at 128k keys -> 264 splits, 528 programs, four equal
+       programs per SM whether 2 or 3 are resident at once (70 KB of smem each allows 3), so all
+       SMs finish together; one round would leave the GPU idle behind the slowest program.
     3. But never below DECODE_MIN_BLOCKS_PER_SPLIT key tiles per split: a tiny split pays a fixed
        cost (load q, write rows x d fp32 partials, then read them again in the combine).
     """

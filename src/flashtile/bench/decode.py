@@ -1,0 +1,318 @@
+"""`flashtile bench decode`: Flash-Decoding against the peers, seed 004's table on this GPU.
+
+Shapes (BENCHMARKS.md): fp16, 16 query / 2 KV heads, d=128, (batch, context) = (256, 256)
+(128, 512) (16, 4096) (8, 8192) (2, 32768) (1, 65536) (1, 131072), and Llama-3-8B's 32 / 8 heads
+at (64, 8192), one new query token per sequence. Implementations, in one process:
+  eager              PyTorch: expand the KV heads, matmul, softmax, matmul
+  sdpa-gqa           scaled_dot_product_attention(enable_gqa=True): what a user gets today
+  sdpa-expanded      the same after repeat_interleave of the KV heads (expansion timed too)
+  flashtile-nosplit  flash_attn_with_kvcache(num_splits=1): FA2-style, one program per (batch, kv head)
+  flashtile          Flash-Decoding, num_splits from configs.decode_num_splits
+  flashtile-page16/64  the same cache as pages of 16 / 64 tokens handed out in a random order
+Every flashtile row is checked against SDPA before it is timed. Times are do_bench medians with
+cache buffers rotating between calls (>= 640 MB in rotation against a 50 MB L2), so they measure
+HBM; GB/s = KV bytes read / time, next to the device-to-device copy ceiling of the same run.
+`loop_us` is wall time per call in a back-to-back loop (host overhead included).
+
+    python -m flashtile.bench.decode --out benchmarks/results/h100
+writes decode.json; --plot-only redraws decode_latency.png and decode_bandwidth.png from it.
+--sweep times tile / split alternatives per shape into decode_sweep.json (for configs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import torch
+
+from flashtile.bench import harness
+
+SEED_SHAPES = ((256, 256), (128, 512), (16, 4096), (8, 8192), (2, 32768), (1, 65536), (1, 131072))
+LLAMA_SHAPE = (64, 8192)
+IMPLS = ("eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-page16",
+         "flashtile-page64")
+ROTATION_BYTES = 640 * 2**20
+HEADDIM = 128
+DEVICE = "cuda"
+
+
+def cases(quick: bool = False):
+    """(batch, context, nheads, nheads_k) of every benchmarked shape."""
+    shapes = SEED_SHAPES[2:4] if quick else SEED_SHAPES
+    return [(b, ctx, 16, 2) for b, ctx in shapes] + [(*LLAMA_SHAPE, 32, 8)]
+
+
+def _eager(q, k, v):
+    """Attention as a PyTorch user writes it: BSHD in and out, KV heads expanded."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)  # (b, h, 1, d)
+    kh = k.transpose(1, 2).repeat_interleave(group, 1)  # (b, h, s, d)
+    vh = v.transpose(1, 2).repeat_interleave(group, 1)
+    s = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (b, h, 1, s)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return (p @ vh).transpose(1, 2)
+
+
+def _sdpa_gqa(q, k, v):
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _sdpa_expanded(q, k, v):
+    group = q.shape[2] // k.shape[2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(group, 1),
+        v.transpose(1, 2).repeat_interleave(group, 1))
+    return out.transpose(1, 2)
+
+
+def implementations(batch, context, hk, seqlens, num_splits=None):
+    """name -> (fn(q, k, v), logical(t)) over contiguous buffers k, v (batch, context, hk, d).
+
+    The paged rows view the same buffers as pages reached through a random page order, so their
+    logical cache is a permutation of the buffer: logical(t) gathers it (for the SDPA check).
+    """
+    import flashtile
+
+    def flash(splits, page_size=None):
+        if page_size is None:
+            return (lambda q, k, v: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens,
+                                                                     num_splits=splits)), None
+        n = context // page_size
+        table = torch.randperm(batch * n, device=DEVICE).view(batch, n).int()
+
+        def pages(t):
+            return t.view(-1, page_size, *t.shape[2:])
+
+        def run(q, k, v):
+            return flashtile.flash_attn_with_kvcache(q, pages(k), pages(v), cache_seqlens=seqlens,
+                                                     block_table=table, num_splits=splits)
+
+        return run, lambda t: pages(t)[table.long()].reshape(t.shape)
+
+    auto = 0 if num_splits is None else num_splits
+    return {"eager": (_eager, None), "sdpa-gqa": (_sdpa_gqa, None),
+            "sdpa-expanded": (_sdpa_expanded, None), "flashtile-nosplit": flash(1),
+            "flashtile": flash(auto), "flashtile-page16": flash(auto, 16),
+            "flashtile-page64": flash(auto, 64)}
+
+
+def _check(fn, logical, q, k, v) -> float:
+    """max |fn - SDPA| on the logical cache behind k, v."""
+    if logical is not None:
+        ref = _sdpa_gqa(q, logical(k), logical(v))
+    else:
+        ref = _sdpa_gqa(q, k, v)
+    return float((fn(q, k, v).float() - ref.float()).abs().max())
+
+
+def _buffers(batch, context, hk, dtype):
+    """Enough (k, v) cache buffers that one round of calls reads >= ROTATION_BYTES."""
+    kv_bytes = 2 * batch * context * hk * HEADDIM * dtype.itemsize
+    n = max(2, -(-ROTATION_BYTES // kv_bytes))
+    return [tuple(torch.randn(batch, context, hk, HEADDIM, device=DEVICE, dtype=dtype) for _ in range(2))
+            for _ in range(n)], kv_bytes
+
+
+def _rotating(fn, q, buffers):
+    order = itertools.cycle(buffers)
+    return lambda: fn(q, *next(order))
+
+
+def _loop_us(call, n=50) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def chosen_splits(batch, context, h, hk, dtype, page_size=0) -> int:
+    """The num_splits flashtile's heuristic picks for this shape (recorded with each row)."""
+    from flashtile.ops import configs, decode
+
+    cfg = configs.decode_config(h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE))
+    return configs.decode_num_splits(batch * hk, context, cfg.block_n, decode._num_sms(torch.device(DEVICE)))
+
+
+def run(args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    rows, failed = [], []
+    for batch, context, h, hk in cases(args.quick):
+        buffers, kv_bytes = _buffers(batch, context, hk, dtype)
+        q = torch.randn(batch, 1, h, HEADDIM, device=DEVICE, dtype=dtype)
+        seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+        shape = dict(batch=batch, context=context, nheads=h, nheads_k=hk, kv_mb=kv_bytes / 1e6)
+        sdpa_us = None
+        for name, (fn, logical) in implementations(batch, context, hk, seqlens).items():
+            if name not in args.impls:
+                continue
+            row = dict(impl=name, **shape)
+            if name.startswith("flashtile"):
+                page = int(name[len("flashtile-page"):]) if "page" in name else 0
+                row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(batch, context, h, hk, dtype, page)
+                err = _check(fn, logical, q, *buffers[0])
+                row["max_err_vs_sdpa"] = err
+                if not err <= args.tolerance:
+                    failed.append(f"{name} b={batch} ctx={context}: max error {err:.3g} vs SDPA")
+                    print(f"FAILED {failed[-1]}")
+                    rows.append(row)
+                    continue
+            call = _rotating(fn, q, buffers)
+            us = harness.bench_ms(call) * 1e3
+            row.update(us=us, GBps=kv_bytes / us * 1e-3, loop_us=_loop_us(call))
+            if name == "sdpa-gqa":
+                sdpa_us = us
+            if sdpa_us is not None:
+                row["speedup_vs_sdpa_gqa"] = sdpa_us / us
+            rows.append(row)
+            print(f"{name:18s} b={batch:3d} ctx={context:6d} h={h}/{hk} {kv_bytes / 1e6:7.1f} MB "
+                  f"{us:8.1f} us {row['GBps']:7.0f} GB/s  loop {row['loop_us']:7.1f} us"
+                  + (f"  splits {row['num_splits']}" if "num_splits" in row else ""))
+        del buffers
+        torch.cuda.empty_cache()
+    result = {"env": harness.environment(), "ceilings": harness.ceilings(), "dtype": args.dtype,
+              "headdim": HEADDIM, "rotation_mb": ROTATION_BYTES / 2**20, "rows": rows, "failed": failed}
+    print(f"copy ceiling {result['ceilings']['copy_GBps']:.0f} GB/s")
+    return result
+
+
+def sweep(args) -> dict:
+    """Time flashtile's contiguous and page-16 paths per shape under alternative tiles and split
+    counts (configs.decode_config / decode_num_splits replaced for the call)."""
+    from flashtile.ops import configs
+
+    dtype = getattr(torch, args.dtype)
+    real = configs.decode_config
+    rows = []
+    try:
+        for batch, context, h, hk in cases(args.quick):
+            buffers, kv_bytes = _buffers(batch, context, hk, dtype)
+            q = torch.randn(batch, 1, h, HEADDIM, device=DEVICE, dtype=dtype)
+            seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+            base = chosen_splits(batch, context, h, hk, dtype)
+            for page, block_n, warps, stages, factor in itertools.product(
+                    (0, 16), (32, 64, 128), (4, 8), (2, 3, 4, 5), (0.5, 1, 2)):
+                splits = max(1, round(base * factor))
+                configs.decode_config = (lambda r, d, dt, p, dev, bn=block_n, w=warps, s=stages:
+                                         configs.BlockConfig(real(r, d, dt, p, dev).block_m, bn, w, s))
+                fn, logical = implementations(batch, context, hk, seqlens, splits)[
+                    "flashtile-page16" if page else "flashtile"]
+                try:
+                    err = _check(fn, logical, q, *buffers[0])
+                    us = harness.bench_ms(_rotating(fn, q, buffers), warmup=10, rep=40) * 1e3
+                except Exception as e:  # out of shared memory for big tiles x stages: record and go on
+                    rows.append(dict(batch=batch, context=context, nheads=h, page=page, block_n=block_n,
+                                     warps=warps, stages=stages, splits=splits, error=repr(e)[:160]))
+                    continue
+                rows.append(dict(batch=batch, context=context, nheads=h, page=page, block_n=block_n,
+                                 warps=warps, stages=stages, splits=splits, us=us,
+                                 GBps=kv_bytes / us * 1e-3, max_err_vs_sdpa=err))
+            for page in (0, 16):
+                mine = [r for r in rows if r["batch"] == batch and r["context"] == context and r["page"] == page and "us" in r]
+                best = min(mine, key=lambda r: r["us"])
+                print(f"b={batch:3d} ctx={context:6d} page={page:2d} best {best['us']:7.1f} us "
+                      f"{best['GBps']:6.0f} GB/s: BLOCK_N {best['block_n']} warps {best['warps']} "
+                      f"stages {best['stages']} splits {best['splits']} (heuristic {base})")
+            del buffers
+            torch.cuda.empty_cache()
+    finally:
+        configs.decode_config = real
+    return {"env": harness.environment(), "dtype": args.dtype, "rows": rows}
+
+
+def plot(json_path: str, out_dir: str) -> list[str]:
+    """decode_latency.png (microseconds vs context, seed shapes) and decode_bandwidth.png (GB/s per
+    shape against the copy ceiling), from decode.json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        data = json.load(f)
+    rows = [r for r in data["rows"] if "us" in r]
+    impls = [name for name in IMPLS if any(r["impl"] == name for r in rows)]
+    env, copy = data["env"], data["ceilings"]["copy_GBps"]
+    title = f"{data['dtype']}, d={data['headdim']} — {env['gpu']}, torch {env['torch']}, triton {env['triton']}"
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in impls:
+        pts = sorted((r["context"], r["us"], r["batch"]) for r in rows if r["impl"] == name and r["nheads"] == 16)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                linewidth=2.5 if name == "flashtile" else 1.2)
+    batches = sorted({(r["context"], r["batch"]) for r in rows if r["nheads"] == 16})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([c for c, _ in batches], [f"{c}\nb={b}" for c, b in batches], fontsize=7)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("context length (batch)")
+    ax.set_ylabel("microseconds per decoding step (median)")
+    ax.set_title(f"Decoding, 16 q / 2 kv heads\n{title}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [os.path.join(out_dir, "decode_latency.png")]
+    fig.savefig(paths[0], dpi=90)
+    plt.close(fig)
+
+    shapes = sorted({(r["nheads"], r["nheads_k"], r["context"], r["batch"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / max(len(impls), 1)
+    for i, name in enumerate(impls):
+        gbps = {(r["nheads"], r["nheads_k"], r["context"], r["batch"]): r["GBps"] for r in rows if r["impl"] == name}
+        ax.bar([j + i * width for j in range(len(shapes))], [gbps.get(s, 0) for s in shapes], width, label=name)
+    ax.axhline(copy, color="k", linestyle="--", linewidth=1, label=f"copy ceiling {copy:.0f} GB/s")
+    ax.axhline(0.85 * copy, color="k", linestyle=":", linewidth=1, label="85% of copy")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))],
+                  [f"{h}/{hk} heads\nb={b} ctx={c}" for h, hk, c, b in shapes], fontsize=7)
+    ax.set_ylabel("KV bytes read / time (GB/s)")
+    ax.set_title(f"Decoding bandwidth\n{title}", fontsize=9)
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "decode_bandwidth.png"))
+    fig.savefig(paths[1], dpi=90)
+    plt.close(fig)
+    return paths
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="flashtile bench decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="result folder (default benchmarks/results/<gpu>)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max |flashtile - SDPA| before timing (default 4e-3 fp16, 3e-2 bf16: ~16 ulps)")
+    p.add_argument("--quick", action="store_true", help="two seed shapes and the Llama shape only")
+    p.add_argument("--sweep", action="store_true", help="tile / split sweep into decode_sweep.json")
+    p.add_argument("--plot-only", action="store_true")
+    args = p.parse_args(argv)
+    if args.tolerance is None:
+        args.tolerance = 4e-3 if args.dtype == "float16" else 3e-2
+    out = args.out or os.path.join("benchmarks", "results", harness.gpu_slug())
+    if not args.plot_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("flashtile bench decode needs a CUDA GPU")
+        unknown = set(args.impls) - set(IMPLS)
+        if unknown:
+            p.error(f"--impls: unknown {sorted(unknown)}; choose from {IMPLS}")
+        if args.sweep:
+            harness.write_result(os.path.join(out, "decode_sweep.json"), sweep(args))
+            return
+        result = run(args)
+        harness.write_result(os.path.join(out, "decode.json"), result)
+    for png in plot(os.path.join(out, "decode.json"), out):
+        print(f"wrote {png}")
+    if not args.plot_only and result["failed"]:
+        raise SystemExit("flashtile disagreed with SDPA: " + "; ".join(result["failed"]))
+
+
+if __name__ == "__main__":
+    main()
