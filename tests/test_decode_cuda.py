@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decode_check import check_kvcache
-from flashtile import merge_attention_states
+from flashtile import flash_attn_with_kvcache, merge_attention_states
 from flashtile.reference.decoding import merge
 from flashtile.testing import assert_2x
 
@@ -109,3 +109,25 @@ def test_kvcache_helpers_on_gpu():
         outs.append(cache.attend(q, *kv, causal=True))
         cache.advance(1)
     assert cache.seqlens.tolist() == [3, 3] and torch.isfinite(outs[-1]).all()
+
+
+def test_cuda_graph_capture():
+    """With index tensors on the GPU nothing reads them on the host, so one decoding step can be
+    captured in a CUDA graph and replayed (how decode loops hide Python's launch overhead)."""
+    torch.manual_seed(0)
+    q = torch.randn(4, 1, 16, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(4, 1, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    k_cache, v_cache = (torch.randn(4, 4096, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    seqlens = torch.tensor([4000, 17, 3000, 1], dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream: compiles the kernels
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=seqlens)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)

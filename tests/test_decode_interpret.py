@@ -121,6 +121,14 @@ def test_cache_seqlens_none_reads_the_whole_cache():
     torch.testing.assert_close(out, want, atol=2e-3, rtol=0)
 
 
+def test_empty_batch():
+    k_cache = torch.randn(0, 64, 2, 32).half()
+    out, lse = api.flash_attn_with_kvcache(torch.randn(0, 1, 4, 32).half(), k_cache, k_cache.clone(),
+                                           cache_seqlens=torch.zeros(0, dtype=torch.int32),
+                                           return_softmax_lse=True)
+    assert out.shape == (0, 1, 4, 32) and lse.shape == (0, 4, 1)
+
+
 # ---- merge_attention_states -------------------------------------------------------------------
 
 def _merge_inputs(num_splits, rows, d, dtype):

@@ -129,13 +129,17 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     if device.type != "cuda":
         return BlockConfig(block_m, DECODE_INTERPRETER_BLOCK_N, 4, 1)
     bd = padded_headdim(d)
-    # fp32 (IEEE) dots run on FMAs, not mma: a 32 KB tile at d=128 needs 255 registers and spills
-    # 452 B (ptxas, sm_90), so fp32 takes 16 KB tiles
-    tile_bytes = 16 * 1024 if dtype == torch.float32 else 32 * 1024
-    elem = 4 if dtype == torch.float32 else 2
-    block_n = max(16, min(128, tile_bytes // (2 * bd * elem)))
+    num_warps = 4
+    if dtype == torch.float32:
+        # IEEE fp32 dots run on FMAs with the products in registers (ptxas, sm_90): 32 keys x 16
+        # rows at d=128 spill 452 B, so 16 KB tiles for 16 rows and fewer keys for more rows; 32+
+        # rows spill even at 16 keys with 4 warps (512 B), not with 8
+        block_n = max(16, min(128, 16 * 1024 // (2 * bd * 4) * 16 // block_m))
+        num_warps = 8 if block_m > 16 else 4
+    else:
+        block_n = max(16, min(128, 32 * 1024 // (2 * bd * 2)))
     gather = page_size > 0 and page_size % block_n != 0
-    return BlockConfig(block_m, block_n, 4, 5 if gather else 3)
+    return BlockConfig(block_m, block_n, num_warps, 5 if gather else 3)
 
 
 def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:

@@ -440,6 +440,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_
     else:
         o_buf = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
         l_buf = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
+    if b == 0:
+        return out, lse
 
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
