@@ -58,9 +58,12 @@ def delta_config(d: int, device: torch.device) -> BlockConfig:
 def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
     """Tiles for the dK/dV kernel: block_n keys stay put, block_m query rows stream past.
 
-    Sweep (whole backward TFLOP/s, bf16, seqlen 4096): d=64 (32, 128, 4, 3) 244 / causal 197, the
-    8-warp tiles 185-210; d=128 (64, 64, 4, 2) 298 / 230, (64, 128, 8, 1) 291 / 247 (same order at
-    1k). d=256: (32, 64, 4, 1) spills (whole backward 52); (32, 32, 4, 2) 167, causal (64, 64, 8, 1) 153.
+    Sweep without atomic dQ (whole backward TFLOP/s, bf16, seqlen 4096): d=64 (32, 128, 4, 3) 244 /
+    causal 197, the 8-warp tiles 185-210; d=128 (64, 64, 4, 2) 298 / 230, (64, 128, 8, 1) 291 / 247
+    (same order at 1k); d=256 (32, 32, 4, 2) 167 / 142, (32, 64, 8, 2) 159 / 137, (32, 64, 4, 1)
+    spills (52). The atomic dQ adds a (block_m, d) fp32 tile to the dK and dV accumulators, so the
+    choices below keep dk + dv + dq at <= 160 fp32 registers per thread: d=128 takes the 8-warp
+    (64, 128) tile, d=256 the 8-warp (32, 64) one.
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
@@ -70,12 +73,12 @@ def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) 
     if bd <= 64:
         return BlockConfig(32, 128, 4, 3)
     if bd <= 128:
-        return BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
-    return BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
+        return BlockConfig(64, 128, 8, 1)
+    return BlockConfig(32, 64, 8, 2)
 
 
 def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
-    """Tiles for the dQ kernel: block_m query rows stay put, block_n keys stream past.
+    """Tiles for the dQ kernel (deterministic=True only): block_m query rows stay put.
 
     Sweep (whole backward, bf16, seqlen 4096): d=64 (64, 32, 4, 3) 239 / causal 189;
     d=128 (64, 64, 4, 2) 301 / 234, (128, 64, 8, 3) 298 / 232. d=256: all seven candidates within
