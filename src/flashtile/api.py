@@ -107,9 +107,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = unbounded.
         softcap: > 0 caps scores as softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: the backward computes dQ in its own kernel instead of accumulating it with
-            atomics, so dQ is bitwise reproducible (dK, dV always are); slower, as it recomputes
-            P and dP there (benchmarks/results/h100/prefill.md, "flashtile-det").
+        deterministic: the backward is bitwise reproducible by default (dQ has its own kernel);
+            True keeps it so even where ops.configs.atomic_dq switches on atomic dQ accumulation.
             Also on under torch.use_deterministic_algorithms(True).
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
     Returns:

@@ -1,13 +1,14 @@
-"""FA2-style backward: recompute P from the saved LSE, no atomics, deterministic.
+"""FA2-style backward: recompute P from the saved LSE.
 
 Launches:
   1. delta = rowsum(dO * O)                                   (b, h, sq), the FA2 preprocess
   2. dK, dV: one program per (K/V block, batch x kv head); it loops over the query heads of its
-     GQA group and over their Q blocks, so the group reduction happens in registers. By default it
-     also adds dS K into an fp32 dQ accumulator with atomics (FA2's choice: 5 matmuls per block
-     pair instead of 7); dQ then depends on the order of those additions.
-  3. deterministic=True instead runs a dQ kernel: one program per (Q block, batch x head) looping
-     over K/V blocks, recomputing P and dP (7 matmuls, no atomics, bitwise reproducible).
+     GQA group and over their Q blocks, so the group reduction happens in registers.
+  3. dQ: one program per (Q block, batch x head) looping over K/V blocks, recomputing P and dP
+     (7 matmuls per block pair in all, no atomics, bitwise reproducible).
+When configs.atomic_dq says so (and deterministic is False), step 2 instead also adds dS K into an
+fp32 dQ accumulator with atomics and step 3 is skipped (FA2's choice: 5 matmuls per block pair);
+dQ then depends on the order of those additions.
 Both loops skip the blocks that the mask hides and run the fully visible ones without mask work
 (ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
 """
@@ -284,7 +285,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 
     Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group); written into the
     given dq/dk/dv when passed (e.g. views of one packed gradient buffer). dk and dv are always
-    bitwise reproducible; dq is too with deterministic=True (separate dQ kernel, no atomics).
+    bitwise reproducible, and dq too unless configs.atomic_dq turns on the atomic dQ path, which
+    deterministic=True always keeps off.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -305,8 +307,9 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         out, dout, delta, *out.stride(), *dout.stride(), h, sq,
         head_dim=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps)
 
-    # fp32 accumulator for the atomic dQ; in deterministic mode the kernel never touches it
-    dq_acc = dq if deterministic else torch.zeros((b, sq, h, d), dtype=torch.float32, device=q.device)
+    atomic = not deterministic and configs.atomic_dq(d, q.dtype, q.device, causal)
+    # fp32 accumulator for the atomic dQ; without atomics the kernel never touches it
+    dq_acc = torch.zeros((b, sq, h, d), dtype=torch.float32, device=q.device) if atomic else dq
     cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
     _dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, slopes,
@@ -314,8 +317,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         *dv.stride(), stride_sb, stride_sh,
         h, hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,
         head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-        ATOMIC_DQ=not deterministic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not deterministic:
+        ATOMIC_DQ=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if atomic:
         dq.copy_(dq_acc.mul_(softmax_scale))
         return dq, dk, dv
 

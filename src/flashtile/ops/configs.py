@@ -77,6 +77,17 @@ def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) 
     return BlockConfig(32, 64, 8, 2)
 
 
+def atomic_dq(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> bool:
+    """Accumulate dQ with atomics inside the dK/dV kernel instead of running the dQ kernel?
+
+    Atomics do 5 matmuls per (Q block, K/V block) pair instead of 7, at the price of fp32 atomic
+    traffic and a dQ that depends on the order of additions. Off: the atomic path passes the whole
+    cuda suite on the H100 but has not been timed there yet (benchmarks/results/h100/NOTES.md);
+    the dQ kernel is the measured one. Replace this function to switch it on.
+    """
+    return False
+
+
 def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
     """Tiles for the dQ kernel (deterministic=True only): block_m query rows stay put.
 
