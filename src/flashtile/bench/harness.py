@@ -39,8 +39,15 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "command": command_line(),
     }
+
+
+def command_line() -> str:
+    """The command that is running, as someone would retype it (`python -m ...` for modules)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    prog = f"python -m {spec.name}" if spec is not None and spec.name else os.path.basename(sys.argv[0])
+    return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
 def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
