@@ -60,6 +60,21 @@ def block_range(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, n_i
 
 
 @triton.jit
+def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(start_m, bh, b, h, hk) of a program of a (Q block, batch x head) grid.
+
+    With HEAVY_LAST (a right-bounded mask, e.g. causal) the last Q blocks see the most keys, so
+    program 0 takes the last block: the long programs start first and the short ones fill the tail.
+    """
+    pid_m = tl.program_id(0)
+    if HEAVY_LAST:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    h = bh % nheads
+    return pid_m * BLOCK_M, bh, bh // nheads, h, h // group  # hk: the K/V head of query head h
+
+
+@triton.jit
 def tanh(x):
     """tanh from exp2 (no tanh in triton.language): 1 - 2 / (1 + e^{2x}); exact limits at +-inf."""
     return 1.0 - 2.0 / (1.0 + tl.exp2(x * (2.0 * LOG2E)))

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._common import LN2, LOG2E, block_range, scores_log2, visible
+from flashtile.ops._common import LN2, LOG2E, block_range, q_block_program, scores_log2, visible
 
 
 @triton.jit
@@ -72,14 +72,7 @@ def _fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if HAS_RIGHT:  # causal-like: the last Q blocks see the most keys; start them first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // nheads
-    h = bh % nheads
-    hk = h // group  # the K/V head this query head reads (GQA/MQA)
+    start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, HAS_RIGHT)
     diag_offset = sk - sq
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
