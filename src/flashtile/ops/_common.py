@@ -9,12 +9,36 @@ Scores live in the log2 domain inside the kernels: s2 = log2(e) * score, so exp2
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 
 # tl.constexpr so jit code can read them; launchers use .value
 LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(math.log(2.0))  # ln(x) = log2(x) * LN2
+
+
+def kernel_scale(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) as the kernels take them: see scores_log2."""
+    if softcap > 0:  # the cap comes before the log2(e) factor
+        return softmax_scale / softcap, softcap
+    return softmax_scale * LOG2E.value, 0.0
+
+
+def alibi_strides(alibi_slopes) -> tuple[int, int]:
+    """(batch, head) strides of ALiBi slopes shaped (h,) or (b, h); (0, 0) when there are none."""
+    if alibi_slopes is None:
+        return 0, 0
+    if alibi_slopes.dim() == 1:
+        return 0, alibi_slopes.stride(0)
+    return alibi_slopes.stride(0), alibi_slopes.stride(1)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's tf32 switch (DESIGN.md Numerics); half inputs use plain dots."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 @triton.jit

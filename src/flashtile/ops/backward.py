@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._common import LOG2E, block_range, q_block_program, scores_log2, visible
-from flashtile.ops.forward import _scale_args, _slopes_args, dot_precision
+from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, kernel_scale,
+                                   q_block_program, scores_log2, visible)
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -288,8 +288,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     dv = torch.empty((b, sk, hk, d), dtype=v.dtype, device=v.device) if dv is None else dv
     block_d = configs.padded_headdim(d)
     causal = window[1] == 0
-    qk_scale, softcap = _scale_args(softmax_scale, softcap)
-    slopes, stride_sb, stride_sh = _slopes_args(alibi_slopes, b, h, q.device)
+    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
+    stride_sb, stride_sh = alibi_strides(alibi_slopes)
     left, right = window
     flags = dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
                  HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype))
@@ -305,7 +305,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     dq_acc = torch.zeros((b, sq, h, d), dtype=torch.float32, device=q.device) if atomic else dq
     cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
     _dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, slopes,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi_slopes,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq_acc.stride(), *dk.stride(),
         *dv.stride(), stride_sb, stride_sh,
         h, hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,
@@ -317,7 +317,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 
     cfg = configs.dq_config(d, q.dtype, q.device, causal)
     _dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
-        q, k, v, dout, lse, delta, dq, slopes,
+        q, k, v, dout, lse, delta, dq, alibi_slopes,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         stride_sb, stride_sh,
         h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._common import LN2, LOG2E, scores_log2, visible
-from flashtile.ops.forward import dot_precision
+from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, kernel_scale, scores_log2,
+                                   visible)
 
 
 @triton.jit
@@ -445,19 +445,13 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_
 
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
-    if softcap > 0:  # _common.scores_log2: the cap comes before the log2(e) factor
-        qk_scale = softmax_scale / softcap
-    else:
-        qk_scale = softmax_scale * LOG2E.value
-    slopes_strides = (0, 0)
-    if alibi_slopes is not None:
-        slopes_strides = (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else alibi_slopes.stride()
+    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     grid = (num_splits, hk * m_blocks, b)
     _split_kernel[grid](
         q, k_cache, v_cache, o_buf, l_buf, seqlens, cache_batch_idx, cache_leftpad, block_table,
         alibi_slopes, rotary_cos, rotary_sin,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_buf.stride(), *l_buf.stride(),
-        *_optional(block_table, 1), *slopes_strides, *rotary_strides,
+        *_optional(block_table, 1), *alibi_strides(alibi_slopes), *rotary_strides,
         seqlen_const, sq, seqlen_new, capacity, k_cache.shape[0], m_blocks, num_splits,
         max(left, 0), max(right, 0), qk_scale, softcap,
         GROUP=group, HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=cfg.block_m,

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._common import LN2, LOG2E, block_range, q_block_program, scores_log2, visible
+from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, kernel_scale,
+                                   q_block_program, scores_log2, visible)
 
 
 @triton.jit
@@ -59,6 +60,9 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset
 @triton.heuristics({
     "EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"],
 })
+# Lengths, window and head dim are not specialised (divisibility by 16): one compiled variant per
+# tile and flag set instead of several per shape, which kept the 1152-case cuda grid's compile time
+# to minutes.
 @triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _fwd_kernel(
     Q, K, V, Out, Lse, Slopes,
@@ -124,28 +128,6 @@ def _fwd_kernel(
     tl.store(Lse + bh.to(tl.int64) * sq + offs_m, lse, mask=offs_m < sq)
 
 
-def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float]:
-    """(qk_scale, softcap) as the kernels take them; see _common.scores_log2."""
-    if softcap > 0:
-        return softmax_scale / softcap, softcap
-    return softmax_scale * LOG2E.value, 0.0
-
-
-def _slopes_args(alibi_slopes, b, h, device):
-    if alibi_slopes is None:
-        return torch.empty(0, dtype=torch.float32, device=device), 0, 0
-    if alibi_slopes.dim() == 1:
-        return alibi_slopes, 0, alibi_slopes.stride(0)
-    return alibi_slopes, alibi_slopes.stride(0), alibi_slopes.stride(1)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs follow torch's tf32 switch (DESIGN.md Numerics); half inputs use plain dots."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
 def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: float = 0.0,
                       alibi_slopes=None, out=None):
     """Launch the forward. q (b, sq, h, d), k/v (b, sk, hk, d), any strides, fp16/bf16/fp32.
@@ -161,14 +143,13 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     cfg = configs.forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk)
     block_d = configs.padded_headdim(d)
-    qk_scale, softcap = _scale_args(softmax_scale, softcap)
-    slopes, stride_sb, stride_sh = _slopes_args(alibi_slopes, b, h, q.device)
+    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
     grid = (triton.cdiv(sq, cfg.block_m), b * h)
     _fwd_kernel[grid](
-        q, k, v, out, lse, slopes,
+        q, k, v, out, lse, alibi_slopes,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        stride_sb, stride_sh,
+        *alibi_strides(alibi_slopes),
         h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
         head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
