@@ -1,43 +1,63 @@
 #!/usr/bin/env bash
-# The one GPU entry point: cuda tests and benchmarks in one call, results under OUTDIR.
-#   usage: bash scripts/gpu_check.sh OUTDIR [tests|bench|all] [extra bench args...]
-# Runs from the repository root with PYTHONPATH=src (no install needed). The cuda test grid is
-# split into five pytest processes so that Triton compiles in parallel (the GPU is shared; these
-# are correctness tests, nothing is timed while they run).
+# The one GPU entry point: cuda tests and benchmarks, results under OUTDIR.
+#   usage: bash scripts/gpu_check.sh OUTDIR [tests|bench|all] [extra prefill bench args...]
+# Runs from the repository root with PYTHONPATH=src (no install needed). The cuda tests run in six
+# pytest processes at once so that Triton compiles in parallel (the GPU is shared; these are
+# correctness tests, nothing is timed while they run).
+#
+# Files written to OUTDIR (the device tool returns at most 8):
+#   tests: gpu.txt, tests.log (every pytest process's log, one after another)
+#   bench: bench.log, prefill.json, prefill.md, decode.json (plots: redraw them off the GPU with
+#          `python -m flashtile.bench.prefill --out DIR --plot-only`, likewise decode)
+# One device command may run 10 minutes: call `tests` and `bench` separately. The tests stop
+# themselves after TEST_BUDGET_S seconds (default 540; pytest gets SIGINT and prints what it has)
+# so that tests.log is always assembled; the benchmarks rewrite their JSON after every row, so a
+# run cut off by the tool's limit still returns the rows measured so far.
 set -uo pipefail
 OUT=${1:?usage: gpu_check.sh OUTDIR [tests|bench|all]}
 WHAT=${2:-all}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the cd below must not move it
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
 status=0
 
 if [[ $WHAT == tests || $WHAT == all ]]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-  shards=("d32 or d40 or d59 or not test_grid" "d64 or d80 or d96" "d111 or d128 or d160" "d192 or d224 or d256")
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
+  logs=$(mktemp -d)  # per-process logs stay outside OUTDIR; tests.log gathers them
+  budget=${TEST_BUDGET_S:-540}
+  prefill="tests/test_prefill_cuda.py"
+  names=("grid d32-59" "grid d64-96" "grid d111-160" "grid d192-256" "prefill other" "decode/kvcache")
+  cmds=("-k 'test_grid and (d32 or d40 or d59)' $prefill"
+        "-k 'test_grid and (d64 or d80 or d96)' $prefill"
+        "-k 'test_grid and (d111 or d128 or d160)' $prefill"
+        "-k 'test_grid and (d192 or d224 or d256)' $prefill"
+        "-k 'not test_grid' $prefill"
+        "tests/ --ignore=$prefill")
   pids=()
-  for i in "${!shards[@]}"; do
-    python -m pytest -q -m cuda -p no:cacheprovider -k "${shards[$i]}" tests/test_prefill_cuda.py \
-      > "$OUT/tests_$i.log" 2>&1 &
+  for i in "${!cmds[@]}"; do
+    eval "timeout -s INT -k 30 $budget python -m pytest -q -m cuda -p no:cacheprovider ${cmds[$i]}" \
+      > "$logs/$i.log" 2>&1 &
     pids+=($!)
   done
-  # every other cuda test file (decode, kv cache) in a fifth process
-  python -m pytest -q -m cuda -p no:cacheprovider tests/ --ignore=tests/test_prefill_cuda.py \
-    > "$OUT/tests_4.log" 2>&1 &
-  pids+=($!)
+  : > "$OUT/tests.log"
   for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || status=1
-    echo "shard $i: $(tail -n 1 "$OUT/tests_$i.log")"
+    wait "${pids[$i]}"; rc=$?
+    [[ $rc == 0 ]] || status=1
+    [[ $rc == 124 ]] && note=" (stopped at TEST_BUDGET_S=$budget s)" || note=""
+    echo "shard $i (${names[$i]}): rc=$rc$note: $(tail -n 1 "$logs/$i.log")"
+    { echo "===== shard $i: ${names[$i]}: pytest ${cmds[$i]}: rc=$rc$note"; cat "$logs/$i.log"; echo; } \
+      >> "$OUT/tests.log"
   done
+  rm -rf "$logs"
 fi
 
 if [[ $WHAT == bench || $WHAT == all ]]; then
-  python -m flashtile.bench.prefill --out "$OUT" "${@:3}" > "$OUT/bench_prefill.log" 2>&1 || status=1
-  tail -n 3 "$OUT/bench_prefill.log"
-  if python -c "import flashtile.bench.decode" 2>/dev/null; then
-    python -m flashtile.bench.decode --out "$OUT" > "$OUT/bench_decode.log" 2>&1 || status=1
-    tail -n 3 "$OUT/bench_decode.log"
-  fi
+  { echo "===== python -m flashtile.bench.prefill --out $OUT --no-plot ${*:3}"
+    python -m flashtile.bench.prefill --out "$OUT" --no-plot "${@:3}" 2>&1 || status=1
+    echo "===== python -m flashtile.bench.decode --out $OUT --no-plot"
+    python -m flashtile.bench.decode --out "$OUT" --no-plot 2>&1 || status=1
+  } > "$OUT/bench.log"
+  tail -n 5 "$OUT/bench.log"
 fi
 exit $status

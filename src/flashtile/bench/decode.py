@@ -15,7 +15,8 @@ HBM; GB/s = KV bytes read / time, next to the device-to-device copy ceiling of t
 `loop_us` is wall time per call in a back-to-back loop (host overhead included).
 
     python -m flashtile.bench.decode --out benchmarks/results/h100
-writes decode.json; --plot-only redraws decode_latency.png and decode_bandwidth.png from it.
+writes decode.json (rewritten after every row); --plot-only redraws decode_latency.png and
+decode_bandwidth.png from it, --no-plot skips them (scripts/gpu_check.sh: fewer files back).
 --sweep times tile / split alternatives per shape into decode_sweep.json (for configs.py).
 """
 
@@ -141,9 +142,16 @@ def chosen_splits(batch, context, h, hk, dtype, page_size=0) -> int:
     return configs.decode_num_splits(batch * hk, context, cfg.block_n, decode._num_sms(torch.device(DEVICE)))
 
 
-def run(args) -> dict:
+def run(args, path: str | None = None) -> dict:
+    """Every (shape, implementation) row; an implementation that raises on a shape gets a row with
+    its error and the run goes on. With `path`, the result file is rewritten after each row
+    ("complete": false until the end), so a run stopped by a time limit still leaves its rows."""
     dtype = getattr(torch, args.dtype)
     rows, failed = [], []
+    result = {"env": harness.environment(), "ceilings": harness.ceilings(), "dtype": args.dtype,
+              "headdim": HEADDIM, "rotation_mb": ROTATION_BYTES / 2**20, "complete": False,
+              "rows": rows, "failed": failed}
+    print(f"copy ceiling {result['ceilings']['copy_GBps']:.0f} GB/s")
     for batch, context, h, hk in cases(args.quick):
         buffers, kv_bytes = _buffers(batch, context, hk, dtype)
         q = torch.randn(batch, 1, h, HEADDIM, device=DEVICE, dtype=dtype)
@@ -154,32 +162,38 @@ def run(args) -> dict:
             if name not in args.impls:
                 continue
             row = dict(impl=name, **shape)
-            if name.startswith("flashtile"):
-                page = int(name[len("flashtile-page"):]) if "page" in name else 0
-                row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(batch, context, h, hk, dtype, page)
-                err = _check(fn, logical, q, *buffers[0])
-                row["max_err_vs_sdpa"] = err
-                if not err <= args.tolerance:
-                    failed.append(f"{name} b={batch} ctx={context}: max error {err:.3g} vs SDPA")
-                    print(f"FAILED {failed[-1]}")
-                    rows.append(row)
-                    continue
-            call = _rotating(fn, q, buffers)
-            us = harness.bench_ms(call) * 1e3
-            row.update(us=us, GBps=kv_bytes / us * 1e-3, loop_us=_loop_us(call))
-            if name == "sdpa-gqa":
-                sdpa_us = us
-            if sdpa_us is not None:
-                row["speedup_vs_sdpa_gqa"] = sdpa_us / us
             rows.append(row)
-            print(f"{name:18s} b={batch:3d} ctx={context:6d} h={h}/{hk} {kv_bytes / 1e6:7.1f} MB "
-                  f"{us:8.1f} us {row['GBps']:7.0f} GB/s  loop {row['loop_us']:7.1f} us"
-                  + (f"  splits {row['num_splits']}" if "num_splits" in row else ""))
+            try:
+                if name.startswith("flashtile"):
+                    page = int(name[len("flashtile-page"):]) if "page" in name else 0
+                    row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(batch, context, h, hk, dtype, page)
+                    err = _check(fn, logical, q, *buffers[0])
+                    row["max_err_vs_sdpa"] = err
+                    if not err <= args.tolerance:
+                        failed.append(f"{name} b={batch} ctx={context}: max error {err:.3g} vs SDPA")
+                        print(f"FAILED {failed[-1]}")
+                        continue
+                call = _rotating(fn, q, buffers)
+                us = harness.bench_ms(call) * 1e3
+                row.update(us=us, GBps=kv_bytes / us * 1e-3, loop_us=_loop_us(call))
+                if name == "sdpa-gqa":
+                    sdpa_us = us
+                if sdpa_us is not None:
+                    row["speedup_vs_sdpa_gqa"] = sdpa_us / us
+                print(f"{name:18s} b={batch:3d} ctx={context:6d} h={h}/{hk} {kv_bytes / 1e6:7.1f} MB "
+                      f"{us:8.1f} us {row['GBps']:7.0f} GB/s  loop {row['loop_us']:7.1f} us"
+                      + (f"  splits {row['num_splits']}" if "num_splits" in row else ""))
+            except Exception as e:  # e.g. out of memory for one peer on one shape: record, go on
+                row["error"] = repr(e)[:200]
+                if name.startswith("flashtile"):
+                    failed.append(f"{name} b={batch} ctx={context}: {row['error']}")
+                print(f"{name:18s} b={batch:3d} ctx={context:6d}: {row['error'][:120]}")
+            finally:
+                if path:
+                    harness.write_result(path, result, quiet=True)
         del buffers
         torch.cuda.empty_cache()
-    result = {"env": harness.environment(), "ceilings": harness.ceilings(), "dtype": args.dtype,
-              "headdim": HEADDIM, "rotation_mb": ROTATION_BYTES / 2**20, "rows": rows, "failed": failed}
-    print(f"copy ceiling {result['ceilings']['copy_GBps']:.0f} GB/s")
+    result["complete"] = True
     return result
 
 
@@ -293,6 +307,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="two seed shapes and the Llama shape only")
     p.add_argument("--sweep", action="store_true", help="tile / split sweep into decode_sweep.json")
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write decode.json only (redraw later with --plot-only)")
     args = p.parse_args(argv)
     if args.tolerance is None:
         args.tolerance = 4e-3 if args.dtype == "float16" else 3e-2
@@ -306,10 +321,12 @@ def main(argv=None) -> None:
         if args.sweep:
             harness.write_result(os.path.join(out, "decode_sweep.json"), sweep(args))
             return
-        result = run(args)
-        harness.write_result(os.path.join(out, "decode.json"), result)
-    for png in plot(os.path.join(out, "decode.json"), out):
-        print(f"wrote {png}")
+        path = os.path.join(out, "decode.json")
+        result = run(args, path)
+        harness.write_result(path, result)
+    if not args.no_plot:
+        for png in plot(os.path.join(out, "decode.json"), out):
+            print(f"wrote {png}")
     if not args.plot_only and result["failed"]:
         raise SystemExit("flashtile disagreed with SDPA: " + "; ".join(result["failed"]))
 

@@ -73,9 +73,14 @@ def ceilings() -> dict:
     return {"copy_GBps": 2 * n / copy_ms * 1e-6, "matmul_bf16_TFLOPs": 2 * m**3 / mm_ms * 1e-9}
 
 
-def write_result(path: str, payload: dict) -> None:
+def write_result(path: str, payload: dict, quiet: bool = False) -> None:
+    """Write payload as JSON; through a temporary file, so a run killed mid-write leaves the last
+    complete version (the benchmarks rewrite their file after every row)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(payload, f, indent=1)
         f.write("\n")
-    print(f"wrote {path}")
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}")

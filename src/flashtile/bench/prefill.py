@@ -7,7 +7,8 @@ FlexAttention (torch.compile'd, with a causal block mask). Each implementation's
 against SDPA-flash before it is timed. FLOPs: forward 4*b*h*s*s*d (half when causal), backward 2.5x.
 
     python -m flashtile.bench.prefill --out benchmarks/results/h100
-writes prefill.json there; `--plot-only` redraws prefill.png / prefill_memory.png from the json.
+writes prefill.json there (rewritten after every row) and prefill.md; `--plot-only` redraws
+prefill.png / prefill_memory.png from the json, `--no-plot` skips them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def _flex():
     # the backward is timed repeatedly over one graph (retain_graph=True), which compiled graphs
     # with donated buffers refuse
     torch._functorch.config.donated_buffer = False
-    compiled = torch.compile(flex_attention)
+    # one static compile per shape: after a second shape torch.compile would otherwise switch to
+    # dynamic shapes, and the later rows would time a kernel with symbolic sizes
+    compiled = torch.compile(flex_attention, dynamic=False)
     masks = {}
 
     def run(q, k, v, causal):
@@ -89,7 +92,15 @@ def measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
                for _ in range(3))
     dout = torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=dtype)
     out = fn(q, k, v, causal)
-    err = None if ref_out is None else float((out.float() - ref_out(q, k, v, causal).float()).abs().max())
+    err = None
+    if ref_out is not None:
+        try:
+            ref = ref_out(q, k, v, causal)
+        except Exception:  # SDPA-flash has no kernel for this shape: time this row unchecked
+            ref = None
+        if ref is not None:
+            err = float((out.float() - ref.float()).abs().max())
+        del ref
     fwd = harness.bench_ms(lambda: fn(q, k, v, causal))
     bwd = harness.bench_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
     del out
@@ -103,11 +114,15 @@ def measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
     return fwd, bwd, peak, err
 
 
-def run(args) -> dict:
+def run(args, path: str | None = None) -> dict:
+    """Every (d, causal, seqlen, peer) row; with `path`, the result file is rewritten after each row
+    ("complete": false until the end), so a run stopped by a time limit still leaves its rows."""
     dtype = getattr(torch, args.dtype)
     impls = implementations(args.peers)
     ref = impls.get("sdpa-flash")
     rows = []
+    result = {"env": harness.environment(), "ceilings": harness.ceilings(), "dtype": args.dtype,
+              "tokens": args.tokens, "complete": False, "rows": rows}
     for d in args.headdims:
         for causal in (False, True):
             for seqlen in args.seqlens:
@@ -125,6 +140,8 @@ def run(args) -> dict:
                     except Exception as e:  # a peer without a kernel for this shape: record why
                         rows.append(dict(impl=name, d=d, causal=causal, seqlen=seqlen, error=repr(e)[:200]))
                         print(f"{name:14s} d={d} causal={causal} s={seqlen}: {repr(e)[:120]}")
+                        if path:
+                            harness.write_result(path, result, quiet=True)
                         continue
                     row = dict(impl=name, d=d, causal=causal, seqlen=seqlen, batch=batch, nheads=nheads,
                                fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=f / fwd * 1e-9,
@@ -132,8 +149,10 @@ def run(args) -> dict:
                     rows.append(row)
                     print(f"{name:14s} d={d:3d} causal={causal:d} s={seqlen:5d}  fwd {row['fwd_tflops']:6.1f}"
                           f"  bwd {row['bwd_tflops']:6.1f} TFLOP/s  mem {peak:8.1f} MB  err {err}")
-    return {"env": harness.environment(), "ceilings": harness.ceilings(), "dtype": args.dtype,
-            "tokens": args.tokens, "rows": rows}
+                    if path:
+                        harness.write_result(path, result, quiet=True)
+    result["complete"] = True
+    return result
 
 
 def plot(json_path: str, out_dir: str) -> list[str]:
@@ -146,6 +165,8 @@ def plot(json_path: str, out_dir: str) -> list[str]:
         data = json.load(f)
     rows = [r for r in data["rows"] if "error" not in r]
     ds = sorted({r["d"] for r in rows})
+    if not ds:  # every row failed (or none ran yet): nothing to draw
+        return []
     impls = [p for p in PEERS if any(r["impl"] == p for r in rows)]
     fig, axes = plt.subplots(len(ds), 4, figsize=(18, 3.6 * len(ds)), squeeze=False)
     for i, d in enumerate(ds):
@@ -233,6 +254,8 @@ def main(argv=None) -> None:
                    help="FlexAttention compiles per shape; limit it to these head dims")
     p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--no-plot", action="store_true",
+                   help="write prefill.json and prefill.md only (redraw later with --plot-only)")
     args = p.parse_args(argv)
     out = args.out or os.path.join("benchmarks", "results", harness.gpu_slug())
     path = os.path.join(out, "prefill.json")
@@ -242,9 +265,10 @@ def main(argv=None) -> None:
         unknown = set(args.peers) - set(PEERS)
         if unknown:
             p.error(f"--peers: unknown {sorted(unknown)}; choose from {PEERS}")
-        harness.write_result(path, run(args))
-    for png in plot(path, out):
-        print(f"wrote {png}")
+        harness.write_result(path, run(args, path))
+    if not args.no_plot:
+        for png in plot(path, out):
+            print(f"wrote {png}")
     table = summary(path)
     with open(os.path.join(out, "prefill.md"), "w") as f:
         f.write(table)

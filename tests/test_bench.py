@@ -1,0 +1,116 @@
+"""The benchmark drivers' bookkeeping, on the CPU: rows, FLOP formulas, per-row failures, the result
+file rewritten after every row, --no-plot. Timing and kernels are replaced by fakes here; the real
+numbers come from the GPU (scripts/gpu_check.sh bench)."""
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+from flashtile.bench import decode, harness, prefill
+from flashtile.ops import configs
+
+CEILINGS = {"copy_GBps": 3000.0, "matmul_bf16_TFLOPs": 700.0}
+
+
+def _prefill_args(**kw):
+    args = dict(dtype="bfloat16", peers=["flashtile", "flashtile-atomic-dq", "sdpa-flash", "cudnn"],
+                headdims=[64], seqlens=[1024], tokens=4096, flex_headdims=[128], flex_seqlens=[2048])
+    args.update(kw)
+    return argparse.Namespace(**args)
+
+
+def test_prefill_rows_flops_failures_and_partial_file(tmp_path, monkeypatch):
+    path = str(tmp_path / "prefill.json")
+    names = {}
+
+    def fake_impls(peers):
+        table = {}
+        for n in peers:
+            def fn(q, k, v, causal):
+                raise AssertionError("measure is faked")
+            names[fn] = n
+            table[n] = fn
+        return table
+
+    seen = []
+
+    def fake_measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
+        name = names[fn]
+        if seen:  # every earlier row is already on disk
+            with open(path) as f:
+                data = json.load(f)
+            assert data["complete"] is False and len(data["rows"]) == len(seen)
+        seen.append((name, causal))
+        # the atomic-dQ row runs with configs.atomic_dq switched on, and only that row
+        assert configs.atomic_dq(d, dtype, torch.device("cuda"), causal) == (name == "flashtile-atomic-dq")
+        assert (ref_out is None) == (name == "sdpa-flash")
+        if name == "cudnn" and causal:
+            raise RuntimeError("No available kernel")
+        return 2.0, 4.0, 100.0, 0.0
+
+    monkeypatch.setattr(prefill, "implementations", fake_impls)
+    monkeypatch.setattr(prefill, "measure", fake_measure)
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    result = prefill.run(_prefill_args(), path)
+
+    assert result["complete"] and len(result["rows"]) == 8 and len(seen) == 8
+    errors = [r for r in result["rows"] if "error" in r]
+    assert [(r["impl"], r["causal"]) for r in errors] == [("cudnn", True)]
+    b, h, s, d = 4, 2048 // 64, 1024, 64
+    for r in result["rows"]:
+        if "error" in r:
+            continue
+        f = 4 * b * h * s * s * d / (2 if r["causal"] else 1)
+        assert r["fwd_tflops"] == pytest.approx(f / 2.0e-3 / 1e12)
+        assert r["bwd_tflops"] == pytest.approx(2.5 * f / 4.0e-3 / 1e12)
+    with open(path) as f:
+        assert len(json.load(f)["rows"]) == 8
+
+
+def test_prefill_no_plot_writes_table_only(tmp_path, capsys):
+    rows = [dict(impl=impl, d=128, causal=False, seqlen=4096, batch=4, nheads=16, fwd_ms=1.0,
+                 bwd_ms=2.0, fwd_tflops=tf, bwd_tflops=tf / 2, peak_mem_mb=10.0, max_err_vs_sdpa_flash=0.0)
+            for impl, tf in (("flashtile", 400.0), ("sdpa-flash", 320.0), ("cudnn", 600.0))]
+    env = dict(gpu="test", torch="x", triton="y", date="today", command="cmd")
+    harness.write_result(str(tmp_path / "prefill.json"), dict(env=env, ceilings=CEILINGS, dtype="bfloat16",
+                                                              tokens=16384, rows=rows))
+    prefill.main(["--out", str(tmp_path), "--plot-only", "--no-plot"])
+    assert sorted(os.listdir(tmp_path)) == ["prefill.json", "prefill.md"]
+    table = (tmp_path / "prefill.md").read_text()
+    assert "| 128 | no | 4096 | 400 / 320 / 600 | 1.25x | 0.67x |" in table
+
+
+def test_prefill_plot_with_no_successful_row(tmp_path):
+    path = str(tmp_path / "prefill.json")
+    harness.write_result(path, dict(env={}, ceilings=CEILINGS, dtype="bfloat16", tokens=16384,
+                                    rows=[dict(impl="flashtile", d=64, causal=False, seqlen=512, error="x")]))
+    assert prefill.plot(path, str(tmp_path)) == []
+
+
+def test_decode_row_failure_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    path = str(tmp_path / "decode.json")
+
+    def broken(q, k, v):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(decode, "DEVICE", "cpu")
+    monkeypatch.setattr(decode, "ROTATION_BYTES", 1)
+    monkeypatch.setattr(decode, "cases", lambda quick: [(2, 64, 4, 2), (1, 128, 4, 2)])
+    monkeypatch.setattr(decode, "implementations", lambda *a, **kw: {
+        "eager": (decode._eager, None), "sdpa-gqa": (decode._sdpa_gqa, None), "flashtile": (broken, None)})
+    monkeypatch.setattr(decode, "chosen_splits", lambda *a, **kw: 3)
+    monkeypatch.setattr(decode, "_loop_us", lambda call, n=50: 2.0)
+    monkeypatch.setattr(harness, "bench_ms", lambda fn, warmup=25, rep=100: (fn(), 0.001)[1])
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    args = argparse.Namespace(dtype="float32", quick=True, impls=list(decode.IMPLS), tolerance=1e-3)
+    result = decode.run(args, path)
+
+    assert result["complete"] and len(result["rows"]) == 6
+    assert [r["impl"] for r in result["rows"] if "error" in r] == ["flashtile", "flashtile"]
+    assert all(r["us"] == pytest.approx(1.0) for r in result["rows"] if "error" not in r)
+    assert len(result["failed"]) == 2  # main() exits non-zero after writing the file
+    with open(path) as f:
+        assert len(json.load(f)["rows"]) == 6
