@@ -32,6 +32,11 @@ def use_backend(name: str):
         _forced = old
 
 
+def _device_guard(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it t's (tensors on cuda:1 and so on)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -67,8 +72,9 @@ def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, determinis
     """Checked BSHD inputs and a (left, right) window with None = unbounded -> (out, lse)."""
     backend = backend_for(q)
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-    return autograd.attention_fwd(q, k, v, softmax_scale, window[0], window[1], softcap,
-                                  alibi_slopes, deterministic, backend)
+    with _device_guard(q):  # the backward runs on autograd's thread for q's device
+        return autograd.attention_fwd(q, k, v, softmax_scale, window[0], window[1], softcap,
+                                      alibi_slopes, deterministic, backend)
 
 
 def _check_common(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
@@ -364,15 +370,16 @@ def _kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rot
 
     if cache_seqlens is None:
         cache_seqlens = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    if k is not None:
-        decode.append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
-                         rotary_cos, rotary_sin, rotary_interleaved)
-    return decode.decode_attention(
-        q, k_cache, v_cache, cache_seqlens, seqlen_new=0 if k is None else k.shape[1],
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        softmax_scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        num_splits=num_splits, max_keys=checked_max if max_keys is None else max_keys)
+    with _device_guard(q):
+        if k is not None:
+            decode.append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+                             rotary_cos, rotary_sin, rotary_interleaved)
+        return decode.decode_attention(
+            q, k_cache, v_cache, cache_seqlens, seqlen_new=0 if k is None else k.shape[1],
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+            softmax_scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            num_splits=num_splits, max_keys=checked_max if max_keys is None else max_keys)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -467,4 +474,5 @@ def merge_attention_states(out_partial, lse_partial):
         return merge(out_partial, lse_partial)
     from flashtile.ops import decode
 
-    return decode.merge_states(out_partial, lse_partial)
+    with _device_guard(out_partial):
+        return decode.merge_states(out_partial, lse_partial)

@@ -89,7 +89,7 @@ def atomic_dq(d: int, dtype: torch.dtype, device: torch.device, causal: bool) ->
 
 
 def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
-    """Tiles for the dQ kernel (deterministic=True only): block_m query rows stay put.
+    """Tiles for the dQ kernel (unless atomic_dq is on): block_m query rows stay put.
 
     Sweep (whole backward, bf16, seqlen 4096): d=64 (64, 32, 4, 3) 239 / causal 189;
     d=128 (64, 64, 4, 2) 301 / 234, (128, 64, 8, 3) 298 / 232. d=256: all seven candidates within
