@@ -99,6 +99,26 @@ def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constex
 
 
 @triton.jit
+def load_tile_pair(a_ptrs, b_ptrs, row_ok, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Two (rows, BLOCK_D) tiles that share row and head-dim bounds (K and V, or Q and dO).
+
+    Tiles of the masked loop phases check rows (row_ok); the unmasked phase's rows are all in
+    bounds, so only an uneven head dim (padded to BLOCK_D) needs a mask there.
+    """
+    if MASKED:
+        mask = row_ok & d_mask
+        a = tl.load(a_ptrs, mask=mask, other=0.0)
+        b = tl.load(b_ptrs, mask=mask, other=0.0)
+    elif EVEN_D:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=d_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=d_mask, other=0.0)
+    return a, b
+
+
+@triton.jit
 def tanh(x):
     """tanh from exp2 (no tanh in triton.language): 1 - 2 / (1 + e^{2x}); exact limits at +-inf."""
     return 1.0 - 2.0 / (1.0 + tl.exp2(x * (2.0 * LOG2E)))

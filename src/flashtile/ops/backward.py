@@ -21,7 +21,7 @@ import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, kernel_scale,
-                                   q_block_program, scores_log2, visible)
+                                   load_tile_pair, q_block_program, scores_log2, visible)
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -62,16 +62,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, off
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
     do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
-    if MASKED:
-        io_mask = (offs_m[:, None] < sq) & d_mask
-    else:
-        io_mask = d_mask
-    if EVEN_D and not MASKED:
-        q = tl.load(q_ptrs)
-        do = tl.load(do_ptrs)
-    else:
-        q = tl.load(q_ptrs, mask=io_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=io_mask, other=0.0)
+    q, do = load_tile_pair(q_ptrs, do_ptrs, offs_m[:, None] < sq, d_mask, MASKED, EVEN_D)
     lse2 = _load_lse2(lse_base, offs_m, sq)
     delta = tl.load(delta_base + offs_m, mask=offs_m < sq, other=0.0)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -90,8 +81,10 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, off
         dq_ptrs = dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + dq_doffs
         if EVEN_D and not MASKED:
             tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        elif MASKED:
+            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < sq) & d_mask, sem="relaxed")
         else:
-            tl.atomic_add(dq_ptrs, dq, mask=io_mask, sem="relaxed")
+            tl.atomic_add(dq_ptrs, dq, mask=d_mask, sem="relaxed")
     return dk, dv
 
 
@@ -188,16 +181,7 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_o
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_kn + k_doffs
     v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + v_doffs
-    if MASKED:
-        kv_mask = (offs_n[:, None] < sk) & d_mask
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
     s2, dcap = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
                            diag_offset, HAS_SOFTCAP, HAS_ALIBI)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, kernel_scale,
-                                   q_block_program, scores_log2, visible)
+                                   load_tile_pair, q_block_program, scores_log2, visible)
 
 
 @triton.jit
@@ -27,16 +27,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_ptrs = k_ptrs + tl.cast(start_n, tl.int64) * stride_kn
     v_ptrs = v_ptrs + tl.cast(start_n, tl.int64) * stride_vn
-    if MASKED:
-        kv_mask = (offs_n[:, None] < sk) & d_mask
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
     s2, _ = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
                         diag_offset, HAS_SOFTCAP, HAS_ALIBI)
