@@ -12,7 +12,8 @@ at (64, 8192), one new query token per sequence. Implementations, in one process
 Every flashtile row is checked against SDPA before it is timed. Times are do_bench medians with
 cache buffers rotating between calls (>= 640 MB in rotation against a 50 MB L2), so they measure
 HBM; GB/s = KV bytes read / time, next to the device-to-device copy ceiling of the same run.
-`loop_us` is wall time per call in a back-to-back loop (host overhead included).
+`loop_us` is wall time per call in a back-to-back loop (host overhead included); `graph_us` is the
+device time per call from a replayed CUDA graph (host overhead excluded).
 
     python -m flashtile.bench.decode --out benchmarks/results/h100
 writes decode.json (rewritten after every row); --plot-only redraws decode_latency.png and
@@ -134,6 +135,23 @@ def _loop_us(call, n=50) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def _graph_us(fn, q, buffers) -> float:
+    """Device time per call without host overhead: one CUDA graph holding a call on every rotating
+    buffer, replayed (do_bench's cache flush between replays hides only ~90 µs of host time, so
+    `us` of a call with more host work than that includes part of it; `graph_us` does not)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: compilation, allocator
+        for k, v in buffers[:2]:
+            fn(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for k, v in buffers:
+            fn(q, k, v)
+    return harness.bench_ms(graph.replay) * 1e3 / len(buffers)
+
+
 def chosen_splits(batch, context, h, hk, dtype, page_size=0) -> int:
     """The num_splits flashtile's heuristic picks for this shape (recorded with each row)."""
     from flashtile.ops import configs, decode
@@ -176,12 +194,18 @@ def run(args, path: str | None = None) -> dict:
                 call = _rotating(fn, q, buffers)
                 us = harness.bench_ms(call) * 1e3
                 row.update(us=us, GBps=kv_bytes / us * 1e-3, loop_us=_loop_us(call))
+                try:
+                    row["graph_us"] = _graph_us(fn, q, buffers)
+                    row["graph_GBps"] = kv_bytes / row["graph_us"] * 1e-3
+                except Exception as e:  # a peer that cannot be captured keeps its other columns
+                    row["graph_error"] = repr(e)[:200]
                 if name == "sdpa-gqa":
                     sdpa_us = us
                 if sdpa_us is not None:
                     row["speedup_vs_sdpa_gqa"] = sdpa_us / us
                 print(f"{name:18s} b={batch:3d} ctx={context:6d} h={h}/{hk} {kv_bytes / 1e6:7.1f} MB "
                       f"{us:8.1f} us {row['GBps']:7.0f} GB/s  loop {row['loop_us']:7.1f} us"
+                      f"  graph {row.get('graph_us', float('nan')):7.1f} us"
                       + (f"  splits {row['num_splits']}" if "num_splits" in row else ""))
             except Exception as e:  # e.g. out of memory for one peer on one shape: record, go on
                 row["error"] = repr(e)[:200]
