@@ -52,3 +52,16 @@ CASES = [
     pytest.param(Case(2, 19, 27, 4, 2, 40, {"causal": True, "window_size": (6, -1), "softcap": 2.0},
                       alibi="h"), id="all-features"),
 ]
+
+
+class HBMWrites:
+    """A counter that keeps what a reference writes to "HBM", to look at the state between steps."""
+
+    def __init__(self):
+        self.writes = []
+
+    def read(self, *tiles):
+        pass
+
+    def write(self, *tiles):
+        self.writes.append([t.clone() for t in tiles])

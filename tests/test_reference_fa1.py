@@ -6,7 +6,7 @@ import torch
 
 from flashtile import testing
 from flashtile.reference import fa1, naive
-from reference_cases import CASES, ORACLE_ATOL, Case
+from reference_cases import CASES, ORACLE_ATOL, Case, HBMWrites
 
 
 def _sram_for(block_c: int, d: int, element_size: int = 8) -> int:
@@ -50,25 +50,12 @@ def test_block_sizes_bad_arguments(args, match):
         fa1.block_sizes(*args)
 
 
-class _Writes:
-    """A counter that keeps what FA1 writes to HBM, to look at the state between outer steps."""
-
-    def __init__(self):
-        self.writes = []
-
-    def read(self, *tiles):
-        pass
-
-    def write(self, *tiles):
-        self.writes.append([t.clone() for t in tiles])
-
-
 def test_hbm_state_after_outer_step_j_is_softmax_of_the_first_j_blocks():
     """Seed 001, 1.4.2: after step j, m = rowmax(S_:j), l = rowsum(exp(S_:j - m)), O = softmax(S_:j) V_:j."""
     b, n, h, d = 1, 11, 2, 4
     q, k, v, _ = Case(b, n, n, h, h, d).inputs()
     block_c = 3
-    rec = _Writes()
+    rec = HBMWrites()
     fa1.forward(q, k, v, softmax_scale=1.0, sram_bytes=_sram_for(block_c, d), counter=rec)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k)  # (b, h, N, N)
     # with B_r = min(3, d) = 3 there are 4 Q blocks; writes: the zero init, then 4 per outer step

@@ -10,17 +10,7 @@ import pytest
 import torch
 
 from flashtile.reference import fa1, fa2
-
-
-class _Writes:
-    def __init__(self):
-        self.writes = []
-
-    def read(self, *tiles):
-        pass
-
-    def write(self, *tiles):
-        self.writes.append([t.clone() for t in tiles])
+from reference_cases import HBMWrites
 
 
 def test_seed000_online_softmax_in_two_blocks():
@@ -32,7 +22,7 @@ def test_seed000_online_softmax_in_two_blocks():
     k[0, :, 0, 0] = torch.tensor(row, dtype=torch.float64)  # q . k_j = row[j]
     v = torch.eye(4, dtype=torch.float64).view(1, 4, 1, 4)
     sram = 4 * 4 * 8 * 2  # B_c = ceil(M / 4d) = 2 keys per block in float64
-    rec = _Writes()
+    rec = HBMWrites()
     out, l, m = fa1.forward(q, k, v, softmax_scale=1.0, sram_bytes=sram, counter=rec)
     (_, l1, m1), (O2, l2, m2) = rec.writes[1], rec.writes[2]  # after block 1, after block 2
 
