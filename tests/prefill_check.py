@@ -6,12 +6,9 @@ inputs are fresh random normals in the requested memory layout.
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
 
 import torch
 
-from flashtile.ops import configs
 from flashtile.ops.backward import attention_backward
 from flashtile.ops.forward import attention_forward
 from flashtile.reference import naive
@@ -35,16 +32,8 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, device, layout="bshd"):
     raise ValueError(layout)
 
 
-def dq_path(name: str):
-    """"kernel": the default dQ kernel; "atomic": configs.atomic_dq switched on for the block."""
-    if name == "atomic":
-        return mock.patch.object(configs, "atomic_dq", lambda *args: True)
-    assert name == "kernel", name
-    return contextlib.nullcontext()
-
-
 def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi=False, layout="bshd", backward=True, factor=2, dq="kernel"):
+                  alibi=False, layout="bshd", backward=True, factor=2):
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device, layout)
     scale = d ** -0.5
     left, right = window[0], (0 if causal else window[1])
@@ -64,9 +53,8 @@ def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, 
     dout = torch.randn_like(out)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     poison(*grads)
-    with dq_path(dq):
-        dq_, dk, dv = attention_backward(dout, q, k, v, out, lse, scale, win, softcap,
-                                         kw["alibi_slopes"], *grads)
+    dq_, dk, dv = attention_backward(dout, q, k, v, out, lse, scale, win, softcap, kw["alibi_slopes"],
+                                     *grads)
     ref = naive.attention_backward(dout, q, k, v, **kw, compute_dtype=torch.float64)
     base = naive.attention_backward(dout, q, k, v, **kw)
     for name, got, r, bb in zip(("dq", "dk", "dv"), (dq_, dk, dv), ref, base):

@@ -7,16 +7,14 @@ import json
 import os
 
 import pytest
-import torch
 
 from flashtile.bench import decode, harness, prefill
-from flashtile.ops import configs
 
 CEILINGS = {"copy_GBps": 3000.0, "matmul_bf16_TFLOPs": 700.0}
 
 
 def _prefill_args(**kw):
-    args = dict(dtype="bfloat16", peers=["flashtile", "flashtile-atomic-dq", "sdpa-flash", "cudnn"],
+    args = dict(dtype="bfloat16", peers=["flashtile", "sdpa-flash", "cudnn"],
                 headdims=[64], seqlens=[1024], tokens=4096, flex_headdims=[128], flex_seqlens=[2048])
     args.update(kw)
     return argparse.Namespace(**args)
@@ -44,8 +42,6 @@ def test_prefill_rows_flops_failures_and_partial_file(tmp_path, monkeypatch):
                 data = json.load(f)
             assert data["complete"] is False and len(data["rows"]) == len(seen)
         seen.append((name, causal))
-        # the atomic-dQ row runs with configs.atomic_dq switched on, and only that row
-        assert configs.atomic_dq(d, dtype, torch.device("cuda"), causal) == (name == "flashtile-atomic-dq")
         assert (ref_out is None) == (name == "sdpa-flash")
         if name == "cudnn" and causal:
             raise RuntimeError("No available kernel")
@@ -56,7 +52,7 @@ def test_prefill_rows_flops_failures_and_partial_file(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
     result = prefill.run(_prefill_args(), path)
 
-    assert result["complete"] and len(result["rows"]) == 8 and len(seen) == 8
+    assert result["complete"] and len(result["rows"]) == 6 and len(seen) == 6
     errors = [r for r in result["rows"] if "error" in r]
     assert [(r["impl"], r["causal"]) for r in errors] == [("cudnn", True)]
     b, h, s, d = 4, 2048 // 64, 1024, 64
@@ -67,7 +63,7 @@ def test_prefill_rows_flops_failures_and_partial_file(tmp_path, monkeypatch):
         assert r["fwd_tflops"] == pytest.approx(f / 2.0e-3 / 1e12)
         assert r["bwd_tflops"] == pytest.approx(2.5 * f / 4.0e-3 / 1e12)
     with open(path) as f:
-        assert len(json.load(f)["rows"]) == 8
+        assert len(json.load(f)["rows"]) == 6
 
 
 def test_prefill_no_plot_writes_table_only(tmp_path, capsys):

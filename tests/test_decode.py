@@ -101,9 +101,10 @@ def test_merge_errors(args, error, message):
 
 # ---- the num_splits heuristic --------------------------------------------------------------------
 
-# seed 004's table (16 q / 2 kv heads) and the Llama-3-8B shape (8 kv heads) on an H100, d=128 fp16
-SEED_SHAPES = {(256, 256, 2): 1, (128, 512, 2): 1, (16, 4096, 2): 16, (8, 8192, 2): 32, (2, 32768, 2): 128,
-               (1, 65536, 2): 256, (1, 131072, 2): 264, (64, 8192, 8): 1}
+# seed 004's table (16 q / 2 kv heads) and the Llama-3-8B shape (8 kv heads) on an H100, d=128 fp16:
+# the counts the sweep measured best or within 3% (benchmarks/results/h100/decode_sweep.json)
+SEED_SHAPES = {(256, 256, 2): 1, (128, 512, 2): 1, (16, 4096, 2): 8, (8, 8192, 2): 16, (2, 32768, 2): 64,
+               (1, 65536, 2): 128, (1, 131072, 2): 256, (64, 8192, 8): 1}
 
 
 @pytest.mark.parametrize("shape,want", SEED_SHAPES.items(), ids=[f"b{b}-ctx{c}-hk{k}" for b, c, k in SEED_SHAPES])

@@ -20,12 +20,11 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("dq", ["kernel", "atomic"], ids=["dq-kernel", "atomic-dq"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_forward_backward(shape, causal, dtype, dq):
-    check_prefill(*shape, dtype, "cpu", causal=causal, dq=dq)
+def test_forward_backward(shape, causal, dtype):
+    check_prefill(*shape, dtype, "cpu", causal=causal)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "packed"])
@@ -36,10 +35,8 @@ def test_strided_layouts(layout):
 @pytest.mark.parametrize("window", [(5, 3), (0, 0), (7, -1), (-1, 4)], ids=str)
 def test_window(window):
     check_prefill(1, 45, 61, 2, 1, 32, torch.float32, "cpu", window=window)
-    check_prefill(1, 45, 61, 2, 1, 32, torch.float32, "cpu", window=window, dq="atomic")
 
 
-@pytest.mark.parametrize("dq", ["kernel", "atomic"], ids=["dq-kernel", "atomic-dq"])
-def test_softcap_and_alibi(dq):
-    check_prefill(1, 33, 47, 4, 2, 48, torch.float32, "cpu", causal=True, softcap=1.5, alibi=True, dq=dq)
-    check_prefill(1, 40, 29, 2, 2, 32, torch.float16, "cpu", softcap=4.0, dq=dq)
+def test_softcap_and_alibi():
+    check_prefill(1, 33, 47, 4, 2, 48, torch.float32, "cpu", causal=True, softcap=1.5, alibi=True)
+    check_prefill(1, 40, 29, 2, 2, 32, torch.float16, "cpu", softcap=4.0)

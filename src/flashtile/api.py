@@ -68,13 +68,12 @@ def _unsupported(dropout_p, name="dropout_p"):
             "use dropout_p=0.0, or torch.nn.functional.scaled_dot_product_attention")
 
 
-def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, deterministic):
+def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes):
     """Checked BSHD inputs and a (left, right) window with None = unbounded -> (out, lse)."""
     backend = backend_for(q)
-    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
     with _device_guard(q):  # the backward runs on autograd's thread for q's device
-        return autograd.attention_fwd(q, k, v, softmax_scale, window[0], window[1], softcap,
-                                      alibi_slopes, deterministic, backend)
+        return autograd.attention(q, k, v, softmax_scale, window[0], window[1], softcap, alibi_slopes,
+                                  backend)
 
 
 def _check_common(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
@@ -113,9 +112,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = unbounded.
         softcap: > 0 caps scores as softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: the backward is bitwise reproducible by default (dQ has its own kernel);
-            True keeps it so even where ops.configs.atomic_dq switches on atomic dQ accumulation.
-            Also on under torch.use_deterministic_algorithms(True).
+        deterministic: accepted for flash-attn compatibility; the backward is always bitwise
+            reproducible (dQ has its own kernel, no atomics).
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.
@@ -125,7 +123,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     scale, window, softcap = _check_common(q, k, v, softmax_scale, causal, window_size, softcap,
                                            alibi_slopes, dropout_p)
-    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, deterministic)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -183,7 +181,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             k, v, window = k[:, :sq], v[:, :sq], (None, 0)
         else:
             window = (None, sq - sk)
-    out, _ = _attention(q, k, v, scale_, window, softcap, None, False)
+    out, _ = _attention(q, k, v, scale_, window, softcap, None)
     return out.transpose(1, 2)
 
 

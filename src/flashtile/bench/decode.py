@@ -18,7 +18,7 @@ device time per call from a replayed CUDA graph (host overhead excluded).
     python -m flashtile.bench.decode --out benchmarks/results/h100
 writes decode.json (rewritten after every row); --plot-only redraws decode_latency.png and
 decode_bandwidth.png from it, --no-plot skips them (scripts/gpu_check.sh: fewer files back).
---sweep times tile / split alternatives per shape into decode_sweep.json (for configs.py).
+--sweep times tile / split alternatives per shape (device time, CUDA graphs) into decode_sweep.json.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _loop_us(call, n=50) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def _graph_us(fn, q, buffers) -> float:
+def _graph_us(fn, q, buffers, **bench) -> float:
     """Device time per call without host overhead: one CUDA graph holding a call on every rotating
     buffer, replayed (do_bench's cache flush between replays hides only ~90 µs of host time, so
     `us` of a call with more host work than that includes part of it; `graph_us` does not)."""
@@ -149,7 +149,7 @@ def _graph_us(fn, q, buffers) -> float:
     with torch.cuda.graph(graph):
         for k, v in buffers:
             fn(q, k, v)
-    return harness.bench_ms(graph.replay) * 1e3 / len(buffers)
+    return harness.bench_ms(graph.replay, **bench) * 1e3 / len(buffers)
 
 
 def chosen_splits(batch, context, h, hk, dtype, page_size=0) -> int:
@@ -221,43 +221,47 @@ def run(args, path: str | None = None) -> dict:
     return result
 
 
+SWEEP_SHAPES = ((256, 256, 16, 2), (16, 4096, 16, 2), (1, 65536, 16, 2), (1, 131072, 16, 2), (64, 8192, 32, 8))
+
+
 def sweep(args) -> dict:
-    """Time flashtile's contiguous and page-16 paths per shape under alternative tiles and split
-    counts (configs.decode_config / decode_num_splits replaced for the call)."""
+    """Device time (graph_us) of flashtile's contiguous and page-16 paths per shape under alternative
+    tiles and split counts (configs.decode_config replaced for the call; splits = the heuristic's
+    count x factor)."""
     from flashtile.ops import configs
 
     dtype = getattr(torch, args.dtype)
     real = configs.decode_config
     rows = []
     try:
-        for batch, context, h, hk in cases(args.quick):
+        for batch, context, h, hk in SWEEP_SHAPES:
             buffers, kv_bytes = _buffers(batch, context, hk, dtype)
             q = torch.randn(batch, 1, h, HEADDIM, device=DEVICE, dtype=dtype)
             seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
             base = chosen_splits(batch, context, h, hk, dtype)
             for page, block_n, warps, stages, factor in itertools.product(
-                    (0, 16), (32, 64, 128), (4, 8), (2, 3, 4, 5), (0.5, 1, 2)):
+                    (0, 16), (32, 64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2, 4)):
                 splits = max(1, round(base * factor))
                 configs.decode_config = (lambda r, d, dt, p, dev, bn=block_n, w=warps, s=stages:
                                          configs.BlockConfig(real(r, d, dt, p, dev).block_m, bn, w, s))
                 fn, logical = implementations(batch, context, hk, seqlens, splits)[
                     "flashtile-page16" if page else "flashtile"]
+                row = dict(batch=batch, context=context, nheads=h, page=page, block_n=block_n,
+                           warps=warps, stages=stages, splits=splits)
+                rows.append(row)
                 try:
-                    err = _check(fn, logical, q, *buffers[0])
-                    us = harness.bench_ms(_rotating(fn, q, buffers), warmup=10, rep=40) * 1e3
-                except Exception as e:  # out of shared memory for big tiles x stages: record and go on
-                    rows.append(dict(batch=batch, context=context, nheads=h, page=page, block_n=block_n,
-                                     warps=warps, stages=stages, splits=splits, error=repr(e)[:160]))
-                    continue
-                rows.append(dict(batch=batch, context=context, nheads=h, page=page, block_n=block_n,
-                                 warps=warps, stages=stages, splits=splits, us=us,
-                                 GBps=kv_bytes / us * 1e-3, max_err_vs_sdpa=err))
+                    row["max_err_vs_sdpa"] = _check(fn, logical, q, *buffers[0])
+                    row["graph_us"] = _graph_us(fn, q, buffers, warmup=10, rep=40)
+                    row["GBps"] = kv_bytes / row["graph_us"] * 1e-3
+                except Exception as e:  # out of shared memory for big tiles x stages: record, go on
+                    row["error"] = repr(e)[:160]
             for page in (0, 16):
-                mine = [r for r in rows if r["batch"] == batch and r["context"] == context and r["page"] == page and "us" in r]
-                best = min(mine, key=lambda r: r["us"])
-                print(f"b={batch:3d} ctx={context:6d} page={page:2d} best {best['us']:7.1f} us "
+                mine = [r for r in rows if r["batch"] == batch and r["context"] == context
+                        and r["page"] == page and "graph_us" in r]
+                best = min(mine, key=lambda r: r["graph_us"])
+                print(f"b={batch:3d} ctx={context:6d} page={page:2d} best {best['graph_us']:7.1f} us "
                       f"{best['GBps']:6.0f} GB/s: BLOCK_N {best['block_n']} warps {best['warps']} "
-                      f"stages {best['stages']} splits {best['splits']} (heuristic {base})")
+                      f"stages {best['stages']} splits {best['splits']} (heuristic {base})", flush=True)
             del buffers
             torch.cuda.empty_cache()
     finally:

@@ -1,8 +1,7 @@
 """`flashtile bench prefill`: forward and backward TFLOP/s against the peers, in one run.
 
 Shapes are the FA2/FA3 papers' (BENCHMARKS.md): bf16, batch x seqlen = 16384 tokens,
-nheads x headdim = 2048. flashtile-atomic-dq is flashtile with ops.configs.atomic_dq switched on.
-Peers: SDPA's FlashAttention-2, cuDNN and memory-efficient backends and
+nheads x headdim = 2048. Peers: SDPA's FlashAttention-2, cuDNN and memory-efficient backends and
 FlexAttention (torch.compile'd, with a causal block mask). Each implementation's output is checked
 against SDPA-flash before it is timed. FLOPs: forward 4*b*h*s*s*d (half when causal), backward 2.5x.
 
@@ -14,17 +13,14 @@ prefill.png / prefill_memory.png from the json, `--no-plot` skips them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-from unittest import mock
 
 import torch
 
 from flashtile.bench import harness
-from flashtile.ops import configs
 
-PEERS = ("flashtile", "flashtile-atomic-dq", "sdpa-flash", "cudnn", "mem-efficient", "flex")
+PEERS = ("flashtile", "sdpa-flash", "cudnn", "mem-efficient", "flex")
 
 
 def _sdpa(backend):
@@ -71,7 +67,6 @@ def implementations(names):
 
     table = {
         "flashtile": lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal),
-        "flashtile-atomic-dq": lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "mem-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -131,12 +126,9 @@ def run(args, path: str | None = None) -> dict:
                 for name, fn in impls.items():
                     if name == "flex" and (d not in args.flex_headdims or seqlen not in args.flex_seqlens):
                         continue
-                    atomic = name == "flashtile-atomic-dq"
                     try:
-                        with mock.patch.object(configs, "atomic_dq", lambda *a: True) if atomic \
-                                else contextlib.nullcontext():
-                            fwd, bwd, peak, err = measure(fn, batch, seqlen, nheads, d, causal, dtype,
-                                                          None if name == "sdpa-flash" else ref)
+                        fwd, bwd, peak, err = measure(fn, batch, seqlen, nheads, d, causal, dtype,
+                                                      None if name == "sdpa-flash" else ref)
                     except Exception as e:  # a peer without a kernel for this shape: record why
                         rows.append(dict(impl=name, d=d, causal=causal, seqlen=seqlen, error=repr(e)[:200]))
                         print(f"{name:14s} d={d} causal={causal} s={seqlen}: {repr(e)[:120]}")

@@ -6,9 +6,9 @@ Launches:
      GQA group and over their Q blocks, so the group reduction happens in registers.
   3. dQ: one program per (Q block, batch x head) looping over K/V blocks, recomputing P and dP
      (7 matmuls per block pair in all, no atomics, bitwise reproducible).
-When configs.atomic_dq says so (and deterministic is False), step 2 instead also adds dS K into an
-fp32 dQ accumulator with atomics and step 3 is skipped (FA2's choice: 5 matmuls per block pair);
-dQ then depends on the order of those additions.
+FA2 instead adds dS K into an fp32 dQ with atomics inside step 2 (5 matmuls per block pair). That
+path was built and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256): 6-20% slower for the
+whole backward than the dQ kernel at every shape, so it was removed (benchmarks/results/h100/NOTES.md).
 Both loops skip the blocks that the mask hides and run the fully visible ones without mask work
 (ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
 """
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
+from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, kernel_scale,
                                    load_tile_pair, q_block_program, scores_log2, visible)
 
@@ -52,12 +53,11 @@ def _load_lse2(Lse, offs, n):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n, start_m, sq, sk,
-               diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, stride_dqm,
-               q_doffs, do_doffs, dq_doffs, d_mask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m, sq, sk,
+               diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom,
+               q_doffs, do_doffs, d_mask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
@@ -76,35 +76,23 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, off
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
     ds_t = (p_t * (dp_t - delta[None, :]) * dcap_t).to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-    if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D), unscaled
-        dq_ptrs = dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + dq_doffs
-        if EVEN_D and not MASKED:
-            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-        elif MASKED:
-            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < sq) & d_mask, sem="relaxed")
-        else:
-            tl.atomic_add(dq_ptrs, dq, mask=d_mask, sem="relaxed")
     return dk, dv
 
 
-@triton.heuristics({"EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"]})
 @triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _dkdv_kernel(
-    Q, K, V, dO, Lse, Delta, dK, dV, dQacc, Slopes,
+    Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h,
     nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
     head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
@@ -127,7 +115,6 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     q_doffs = offs_d[None, :] * stride_qd
     do_doffs = offs_d[None, :] * stride_dod
-    dq_doffs = offs_d[None, :] * stride_dqd
 
     # Rows that can see this key block: the block_range of keys-over-rows (offset and sides swap).
     lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
@@ -139,28 +126,24 @@ def _dkdv_kernel(
             slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        dq_base = dQacc + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
         row_base = (b * nheads + h).to(tl.int64) * sq
         lse_base = Lse + row_base
         delta_base = Delta + row_base
         for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n,
-                                start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                                stride_qm, stride_dom, stride_dqm, q_doffs, do_doffs, dq_doffs, d_mask,
-                                BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                ATOMIC_DQ, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
+                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
+                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT,
+                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
         for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n,
-                                start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                                stride_qm, stride_dom, stride_dqm, q_doffs, do_doffs, dq_doffs, d_mask,
-                                BLOCK_M, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                ATOMIC_DQ, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
+                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
+                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, False, EVEN_D, HAS_LEFT,
+                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
         for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, offs_n,
-                                start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                                stride_qm, stride_dom, stride_dqm, q_doffs, do_doffs, dq_doffs, d_mask,
-                                BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                ATOMIC_DQ, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
+                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
+                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT,
+                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     dk = dk * softmax_scale
     tl.store(dK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
@@ -194,7 +177,6 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_o
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
-@triton.heuristics({"EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"]})
 @triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ, Slopes,
@@ -256,14 +238,12 @@ def _dq_kernel(
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
-                       softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None,
-                       deterministic: bool = False):
+                       softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None):
     """Launch the backward. Shapes as ops.forward.attention_forward; lse (b, h, sq) float32.
 
-    Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group); written into the
-    given dq/dk/dv when passed (e.g. views of one packed gradient buffer). dk and dv are always
-    bitwise reproducible, and dq too unless configs.atomic_dq turns on the atomic dQ path, which
-    deterministic=True always keeps off.
+    Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group), bitwise
+    reproducible; written into the given dq/dk/dv when passed (e.g. views of one packed gradient
+    buffer).
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -273,38 +253,27 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     block_d = configs.padded_headdim(d)
     causal = window[1] == 0
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
-    stride_sb, stride_sh = alibi_strides(alibi_slopes)
     left, right = window
     flags = dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
-                 HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype))
+                 HAS_ALIBI=alibi_slopes is not None, EVEN_D=d == block_d,
+                 DOT_PRECISION=dot_precision(q.dtype))
+    scalars = (*alibi_strides(alibi_slopes), h, hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
+               softmax_scale, d)
 
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     pre = configs.delta_config(d, q.device)
-    _delta_kernel[(triton.cdiv(sq, pre.block_m), b * h)](
-        out, dout, delta, *out.stride(), *dout.stride(), h, sq,
-        head_dim=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps)
+    launch(_delta_kernel, (cdiv(sq, pre.block_m), b * h), (out, dout, delta),
+           (*out.stride(), *dout.stride(), h, sq, d), pre.num_warps, pre.num_stages,
+           BLOCK_D=block_d, BLOCK_M=pre.block_m)
 
-    atomic = not deterministic and configs.atomic_dq(d, q.dtype, q.device, causal)
-    # fp32 accumulator for the atomic dQ; without atomics the kernel never touches it
-    dq_acc = torch.zeros((b, sq, h, d), dtype=torch.float32, device=q.device) if atomic else dq
     cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
-    _dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi_slopes,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq_acc.stride(), *dk.stride(),
-        *dv.stride(), stride_sb, stride_sh,
-        h, hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,
-        head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-        ATOMIC_DQ=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if atomic:
-        dq.copy_(dq_acc.mul_(softmax_scale))
-        return dq, dk, dv
+    launch(_dkdv_kernel, (cdiv(sk, cfg.block_n), b * hk), (q, k, v, dout, lse, delta, dk, dv, alibi_slopes),
+           (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *scalars),
+           cfg.num_warps, cfg.num_stages, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
 
     cfg = configs.dq_config(d, q.dtype, q.device, causal)
-    _dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
-        q, k, v, dout, lse, delta, dq, alibi_slopes,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        stride_sb, stride_sh,
-        h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap, softmax_scale,
-        head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(_dq_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, dout, lse, delta, dq, alibi_slopes),
+           (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *scalars[:3],
+            h // hk, *scalars[4:]),
+           cfg.num_warps, cfg.num_stages, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
     return dq, dk, dv

@@ -6,7 +6,8 @@ Plain functions, so a user can override a choice by replacing the function.
 from typing import NamedTuple
 
 import torch
-import triton
+
+from flashtile.ops._launch import cdiv, next_pow2
 
 
 class BlockConfig(NamedTuple):
@@ -18,7 +19,7 @@ class BlockConfig(NamedTuple):
 
 def padded_headdim(d: int) -> int:
     """Head dims are padded (by masks, never by copies) to a power of two; tl.dot needs K >= 16."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 # Under TRITON_INTERPRET=1 (CPU) small tiles keep numpy fast and make the small test shapes cross
@@ -58,12 +59,9 @@ def delta_config(d: int, device: torch.device) -> BlockConfig:
 def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
     """Tiles for the dK/dV kernel: block_n keys stay put, block_m query rows stream past.
 
-    Sweep without atomic dQ (whole backward TFLOP/s, bf16, seqlen 4096): d=64 (32, 128, 4, 3) 244 /
-    causal 197, the 8-warp tiles 185-210; d=128 (64, 64, 4, 2) 298 / 230, (64, 128, 8, 1) 291 / 247
-    (same order at 1k); d=256 (32, 32, 4, 2) 167 / 142, (32, 64, 8, 2) 159 / 137, (32, 64, 4, 1)
-    spills (52). The atomic dQ adds a (block_m, d) fp32 tile to the dK and dV accumulators, so the
-    choices below keep dk + dv + dq at <= 160 fp32 registers per thread: d=128 takes the 8-warp
-    (64, 128) tile, d=256 the 8-warp (32, 64) one.
+    Sweep (whole backward TFLOP/s, bf16, seqlen 4096): d=64 (32, 128, 4, 3) 244 / causal 197, the
+    8-warp tiles 185-210; d=128 (64, 64, 4, 2) 298 / 230, (64, 128, 8, 1) 291 / 246 (same order at
+    1k); d=256 (32, 32, 4, 2) 167 / 142, (64, 64, 8, 1) 152 / 153, (32, 64, 4, 1) spills (52).
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
@@ -73,23 +71,12 @@ def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) 
     if bd <= 64:
         return BlockConfig(32, 128, 4, 3)
     if bd <= 128:
-        return BlockConfig(64, 128, 8, 1)
-    return BlockConfig(32, 64, 8, 2)
-
-
-def atomic_dq(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> bool:
-    """Accumulate dQ with atomics inside the dK/dV kernel instead of running the dQ kernel?
-
-    Atomics do 5 matmuls per (Q block, K/V block) pair instead of 7, at the price of fp32 atomic
-    traffic and a dQ that depends on the order of additions. Off: the atomic path passes the whole
-    cuda suite on the H100 but has not been timed there yet (benchmarks/results/h100/NOTES.md);
-    the dQ kernel is the measured one. Replace this function to switch it on.
-    """
-    return False
+        return BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
+    return BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
 
 
 def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
-    """Tiles for the dQ kernel (unless atomic_dq is on): block_m query rows stay put.
+    """Tiles for the dQ kernel: block_m query rows stay put.
 
     Sweep (whole backward, bf16, seqlen 4096): d=64 (64, 32, 4, 3) 239 / causal 189;
     d=128 (64, 64, 4, 2) 301 / 234, (128, 64, 8, 3) 298 / 232. d=256: all seven candidates within
@@ -116,12 +103,10 @@ def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) ->
 DECODE_INTERPRETER_BLOCK_N = 32
 
 # The num_splits heuristic (decode_num_splits); H100 numbers, see its docstring.
-DECODE_PROGRAMS_PER_SM = 2  # two resident programs keep 4 tiles (128 KB) in flight per SM, far
-#                             past the ~25 KB that 3 TB/s x ~1 us of DRAM latency needs per SM
+DECODE_PROGRAMS_PER_SM = 2  # programs counted per SM when sizing the grid ("slots"); 2-3 fit at once
 DECODE_NO_SPLIT_FILL = 0.8  # one program per (batch, kv head) filling 80% of the slots is enough
 DECODE_ROUNDS = 2  # otherwise fill every slot this many times over
-DECODE_MIN_BLOCKS_PER_SPLIT = 4  # >= 4 key tiles per split: the partial (rows x d fp32) and its
-#                                  share of the combine stay ~3% of the split's KV bytes
+DECODE_MIN_BLOCKS_PER_SPLIT = 8  # >= 8 key tiles per split (see decode_num_splits)
 NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same split choices
 
 
@@ -132,28 +117,33 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     the M side of one tl.dot (GQA packing), padded to >= 16 (mma's minimum M); more than 64 rows
     (chunked prefill) take several M blocks, each re-reading the KV. page_size = 0 for a contiguous
     cache. Decoding streams the KV cache once, so the tiles aim at bytes in flight, not FLOPs: one
-    tile of K and V is 32 KB (64 keys x 128 dims x 2 B x 2 at d=128 fp16; the key count scales
-    so every head dim keeps 32 KB), num_warps 4, and num_stages 3, which Triton turns into
-    2 cp.async buffers (70 KB of smem and 88 registers at d=128, compiled for sm_90).
-    A page smaller than the tile makes the key addresses a gather through the block table; the
-    page-index load then takes a pipeline stage of its own, and only 5 stages get the K/V loads
-    their 2 buffers back (checked in the sm_90 TTGIR: 3 stages give 1 buffer and a full wait).
+    tile of K and V is 32 KB (64 keys x 128 dims x 2 B x 2 at d=128 fp16; the key count scales so
+    every head dim keeps 32 KB), 4 warps, 2 stages: one buffer per program, so more programs fit
+    on an SM than with 3 stages (2 cp.async buffers).
+    A page smaller than the tile makes the key addresses a gather through the block table: half
+    the keys per tile and 3 stages (the page-index load takes a stage of its own).
+
+    Measured (H100, fp16, 16 q / 2 kv heads, d=128, device time from CUDA graphs over rotating
+    buffers, `python -m flashtile.bench.decode --sweep`): the 67 MB caches take 27.5-30.7 us with
+    64 keys x 2 stages against 29.3-33.2 us with the earlier 3 stages; Llama-3-8B's 2.1 GB cache
+    704 us against 769 us. Page 16 with 32 keys x 3 stages: 29.0-33.1 us on the 67 MB caches,
+    726 us at 2.1 GB; 64-key tiles were 1-5% slower there. 128-key tiles were within 1-8%.
     """
-    block_m = min(max(16, triton.next_power_of_2(rows)), 64)
+    block_m = min(max(16, next_pow2(rows)), 64)
     if device.type != "cuda":
         return BlockConfig(block_m, DECODE_INTERPRETER_BLOCK_N, 4, 1)
     bd = padded_headdim(d)
-    num_warps = 4
     if dtype == torch.float32:
         # IEEE fp32 dots run on FMAs with the products in registers (ptxas, sm_90): 32 keys x 16
         # rows at d=128 spill 452 B, so 16 KB tiles for 16 rows and fewer keys for more rows; 32+
         # rows spill even at 16 keys with 4 warps (512 B), not with 8
         block_n = max(16, min(128, 16 * 1024 // (2 * bd * 4) * 16 // block_m))
-        num_warps = 8 if block_m > 16 else 4
-    else:
-        block_n = max(16, min(128, 32 * 1024 // (2 * bd * 2)))
-    gather = page_size > 0 and page_size % block_n != 0
-    return BlockConfig(block_m, block_n, num_warps, 5 if gather else 3)
+        gather = page_size > 0 and page_size % block_n != 0
+        return BlockConfig(block_m, block_n, 8 if block_m > 16 else 4, 5 if gather else 3)
+    block_n = max(16, min(128, 32 * 1024 // (2 * bd * 2)))
+    if page_size > 0 and page_size % block_n != 0:
+        return BlockConfig(block_m, max(16, block_n // 2), 4, 3)
+    return BlockConfig(block_m, block_n, 4, 2)
 
 
 def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:
@@ -168,19 +158,21 @@ def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) 
 
     The GPU holds DECODE_PROGRAMS_PER_SM x num_sms programs at once ("slots", 264 on an H100).
     1. programs >= DECODE_NO_SPLIT_FILL x slots (large batch: 256 x 2 KV heads): no split, so no
-       partials and no combine kernel. Splitting could not make a full GPU read faster.
+       partials and no combine kernel. Splitting could not make a full GPU read faster (256 x
+       256 keys: 27.5 us with 1 split, 35.4 with 2, 43.8 with 4).
     2. Otherwise cut the keys so the grid fills the slots DECODE_ROUNDS times: floor(rounds x slots
-       / programs), e.g. batch 1 x 2 KV heads at 128k keys -> 264 splits, 528 programs, four equal
-       programs per SM whether 2 or 3 are resident at once (70 KB of smem each allows 3), so all
-       SMs finish together; one round would leave the GPU idle behind the slowest program.
-    3. But never below DECODE_MIN_BLOCKS_PER_SPLIT key tiles per split: a tiny split pays a fixed
-       cost (load q, write rows x d fp32 partials, then read them again in the combine).
+       / programs); one round would leave the GPU idle behind the slowest program.
+    3. But never below DECODE_MIN_BLOCKS_PER_SPLIT key tiles per split: a split pays a fixed cost
+       (load q, write rows x d fp32 partials, read them again in the combine). 8 tiles measured
+       best or within 3% (device time, 64-key tiles): 16 x 4096 keys 30.4 us with 8 splits against
+       31.7 with 16 and 37.0 with 4; 1 x 65536 30.7 us with 128 splits, 30.8 with 256; 1 x 131072
+       55.1 with 256 and 53.6 with 128.
     """
     slots = DECODE_PROGRAMS_PER_SM * num_sms
     if programs >= DECODE_NO_SPLIT_FILL * slots:
         return 1
     by_fill = (DECODE_ROUNDS * slots) // max(programs, 1)
-    by_keys = triton.cdiv(max(max_keys, 1), DECODE_MIN_BLOCKS_PER_SPLIT * block_n)
+    by_keys = cdiv(max(max_keys, 1), DECODE_MIN_BLOCKS_PER_SPLIT * block_n)
     return max(1, min(by_fill, by_keys))
 
 
@@ -200,6 +192,6 @@ def combine_config(num_splits: int, d: int) -> CombineConfig:
     columns per program then buy more programs.
     """
     bd = padded_headdim(d)
-    block_s = min(triton.next_power_of_2(max(num_splits, 1)), 512)
+    block_s = min(next_pow2(num_splits), 512)
     block_d = max(16, min(bd, 8192 // block_s))
     return CombineConfig(block_s, block_d, 4)

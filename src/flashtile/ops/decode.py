@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
+from flashtile.ops._launch import cdiv, launch, next_pow2
 from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, kernel_scale, scores_log2,
                                    visible)
 
@@ -57,11 +58,6 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
     return x
 
 
-@triton.heuristics({
-    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
-    "HAS_SEQLENS": lambda a: a["Seqlens"] is not None,
-    "HAS_BATCH_IDX": lambda a: a["BatchIdx"] is not None,
-})
 @triton.jit
 def _append_kernel(
     Knew, Vnew, KCache, VCache, Seqlens, BatchIdx, BlockTable, Cos, Sin,
@@ -115,13 +111,6 @@ def _append_kernel(
     tl.store(VCache + kh * stride_vh + v_rows[:, None] + offs_d[None, :] * stride_vd, v, mask=mask)
 
 
-@triton.heuristics({
-    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
-    "HAS_SEQLENS": lambda a: a["Seqlens"] is not None,
-    "HAS_BATCH_IDX": lambda a: a["BatchIdx"] is not None,
-    "HAS_LEFTPAD": lambda a: a["LeftPad"] is not None,
-    "HAS_ALIBI": lambda a: a["Slopes"] is not None,
-})
 @triton.jit
 def _split_kernel(
     Q, K, V, Out, Lse, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
@@ -336,23 +325,21 @@ def _optional(t, n):
     return tuple(t.stride()[:n]) if t is not None else (0,) * n
 
 
-def combine(out_partial, lse_partial, out, lse, rows) -> None:
+def combine(out_partial, lse_partial, out, lse, rows, strides) -> None:
     """Merge partials into out/lse in place.
 
-    out_partial (S, n0, n1, n2, d) and lse_partial (S, n0, n1, n2) given as views with those
-    dims (any strides), out (n0, n1, n2, d) and lse (n0, n1, n2) likewise; rows = (n0, n1, n2).
+    Partials out_partial (S, n0, n1, n2, d) and lse_partial (S, n0, n1, n2), outputs out (n0, n1,
+    n2, d) and lse (n0, n1, n2), rows = (n0, n1, n2); strides = the four tensors' strides in those
+    dim orders (given apart from the tensors, so that a permuted layout needs no view).
     """
     n0, n1, n2 = rows
     num_splits, d = out_partial.shape[0], out_partial.shape[-1]
     if n0 * n1 * n2 == 0:
         return
     cfg = configs.combine_config(num_splits, d)
-    grid = (n0 * n1 * n2, triton.cdiv(d, cfg.block_d))
-    _combine_kernel[grid](
-        out_partial, lse_partial, out, lse, num_splits, n1, n2,
-        *out_partial.stride(), *lse_partial.stride(), *out.stride(), *lse.stride(),
-        HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
-    )
+    launch(_combine_kernel, (n0 * n1 * n2, cdiv(d, cfg.block_d)), (out_partial, lse_partial, out, lse),
+           (num_splits, n1, n2, *strides), cfg.num_warps, 3,
+           HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d)
 
 
 def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor):
@@ -364,8 +351,10 @@ def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor):
     lse = torch.empty(lead, dtype=torch.float32, device=out_partial.device)
     n = out.numel() // max(d, 1)
     # flatten * into one row axis; reshape copies only when * cannot be viewed as one axis
-    combine(out_partial.reshape(num_splits, n, 1, 1, d), lse_partial.reshape(num_splits, n, 1, 1),
-            out.view(n, 1, 1, d), lse.view(n, 1, 1), (n, 1, 1))
+    o_part, l_part = out_partial.reshape(num_splits, n, d), lse_partial.reshape(num_splits, n)
+    (ps, pn, pd), (qs, qn) = o_part.stride(), l_part.stride()
+    combine(o_part, l_part, out, lse, (n, 1, 1),
+            (ps, pn, 0, 0, pd, qs, qn, 0, 0, d, 0, 0, 1, 1, 0, 0))
     return out, lse
 
 
@@ -393,15 +382,15 @@ def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_tabl
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
-    block_t = min(16, triton.next_power_of_2(s_new))
-    _append_kernel[(triton.cdiv(s_new, block_t), hk, b)](
-        k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        *_optional(block_table, 1), *rotary_strides,
-        seqlen_const, s_new, capacity, k_cache.shape[0],
-        HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_T=block_t, PAGE_SIZE=page_size,
-        ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
-    )
+    block_t = min(16, next_pow2(s_new))
+    block_d = configs.padded_headdim(d)
+    launch(_append_kernel, (cdiv(s_new, block_t), hk, b),
+           (k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin),
+           (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *_optional(block_table, 1),
+            *rotary_strides, seqlen_const, s_new, capacity, k_cache.shape[0]), 4, 3,
+           HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t, PAGE_SIZE=page_size, ROTARY_DIM=rotary_dim,
+           ROTARY_INTERLEAVED=bool(rotary_interleaved), EVEN_D=d == block_d,
+           HAS_SEQLENS=seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_batch_idx=None,
@@ -428,7 +417,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_
     if sq == 1:
         right = -1  # one query row sits at the last key: nothing is to its right
     cfg = configs.decode_config(sq * group, d, q.dtype, page_size, q.device)
-    m_blocks = triton.cdiv(sq * group, cfg.block_m)
+    m_blocks = cdiv(sq * group, cfg.block_m)
     if num_splits == 0:
         num_splits = configs.decode_num_splits(b * hk * m_blocks, capacity if max_keys is None else max_keys,
                                                cfg.block_n, _num_sms(q.device))
@@ -446,21 +435,27 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
-    grid = (num_splits, hk * m_blocks, b)
-    _split_kernel[grid](
-        q, k_cache, v_cache, o_buf, l_buf, seqlens, cache_batch_idx, cache_leftpad, block_table,
-        alibi_slopes, rotary_cos, rotary_sin,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_buf.stride(), *l_buf.stride(),
-        *_optional(block_table, 1), *alibi_strides(alibi_slopes), *rotary_strides,
-        seqlen_const, sq, seqlen_new, capacity, k_cache.shape[0], m_blocks, num_splits,
-        max(left, 0), max(right, 0), qk_scale, softcap,
-        GROUP=group, HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-        HAS_SOFTCAP=softcap > 0, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
-        ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    block_d = configs.padded_headdim(d)
+    launch(_split_kernel, (num_splits, hk * m_blocks, b),
+           (q, k_cache, v_cache, o_buf, l_buf, seqlens, cache_batch_idx, cache_leftpad, block_table,
+            alibi_slopes, rotary_cos, rotary_sin),
+           (*q.stride(), *k_cache.stride(), *v_cache.stride(), *o_buf.stride(), *l_buf.stride(),
+            *_optional(block_table, 1), *alibi_strides(alibi_slopes), *rotary_strides,
+            seqlen_const, sq, seqlen_new, capacity, k_cache.shape[0], m_blocks, num_splits,
+            max(left, 0), max(right, 0), qk_scale, softcap),
+           cfg.num_warps, cfg.num_stages,
+           GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+           PAGE_SIZE=page_size, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+           ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
+           ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(q.dtype),
+           EVEN_D=d == block_d, HAS_SEQLENS=seqlens is not None,
+           HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+           HAS_ALIBI=alibi_slopes is not None)
     if num_splits > 1:
-        # rows (b, sq, h): the lse partials are (S, b, h, sq), so their row strides are permuted
-        combine(o_buf, l_buf.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1), (b, sq, h))
+        # rows (b, sq, h); the lse partials are (S, b, h, sq) and lse is (b, h, sq): their row
+        # strides are given in (b, sq, h) order
+        (ps, pb, pm, ph, pd), (qs, qb, qh, qm) = o_buf.stride(), l_buf.stride()
+        (ob, om, oh, od), (lb, lh, lm) = out.stride(), lse.stride()
+        combine(o_buf, l_buf, out, lse, (b, sq, h),
+                (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od, lb, lm, lh))
     return out, lse

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
+from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, kernel_scale,
                                    load_tile_pair, q_block_program, scores_log2, visible)
 
@@ -48,9 +49,6 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset
     return acc, l_i, m_new
 
 
-@triton.heuristics({
-    "EVEN_D": lambda a: a["head_dim"] == a["BLOCK_D"],
-})
 # Lengths, window and head dim are not specialised (divisibility by 16): one compiled variant per
 # tile and flag set instead of several per shape, which kept the 1152-case cuda grid's compile time
 # to minutes.
@@ -136,15 +134,11 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     block_d = configs.padded_headdim(d)
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
-    grid = (triton.cdiv(sq, cfg.block_m), b * h)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, alibi_slopes,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *alibi_strides(alibi_slopes),
-        h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
-        head_dim=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes),
+           (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *alibi_strides(alibi_slopes),
+            h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap, d),
+           cfg.num_warps, cfg.num_stages,
+           BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=left is not None,
+           HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+           EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype))
     return out, lse

@@ -1,0 +1,103 @@
+"""ops._launch: the cached launch reuses Triton's compiled kernel only for an identical key."""
+
+from types import SimpleNamespace
+
+import pytest
+import triton
+
+from flashtile.ops import _launch
+
+
+class FakeTensor:
+    def __init__(self, ptr, dtype="f16"):
+        self.ptr, self.dtype = ptr, dtype
+        self.device = SimpleNamespace(type="cuda", index=0)
+
+    def data_ptr(self):
+        return self.ptr
+
+
+class FakeKernel:
+    """Stands in for a JITFunction: kernel[grid](...) records the call and returns a 'compiled
+    kernel' whose run() records direct launches."""
+
+    def __init__(self, names):
+        self.params = [SimpleNamespace(name=n) for n in names]
+        self.triton_calls, self.direct_calls = [], []
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.triton_calls.append((grid, args, kwargs))
+            compiled = object.__new__(triton.compiler.CompiledKernel)
+            compiled._run = lambda *a: self.direct_calls.append(a)
+            compiled.function, compiled.packed_metadata = "fn", "meta"
+            return compiled
+        return call
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(_launch, "_stream", lambda device: 77)
+    # signature: X, Y, n, scale, then the constexprs in an order unlike the call's keywords
+    return FakeKernel(["X", "Y", "n", "scale", "B", "A"])
+
+
+def test_second_call_launches_the_compiled_kernel_directly(kernel):
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    _launch.launch(kernel, (3, 2), (x, y), (5, 0.5), 4, 2, A=1, B=True)
+    assert len(kernel.triton_calls) == 1 and kernel.direct_calls == []
+    grid, args, kwargs = kernel.triton_calls[0]
+    assert grid == (3, 2) and args == (x, y, 5, 0.5)
+    assert kwargs == dict(A=1, B=True, num_warps=4, num_stages=2)
+    x2, y2 = FakeTensor(4096), FakeTensor(8192)  # other tensors, same key
+    _launch.launch(kernel, (7,), (x2, y2), (5, 0.5), 4, 2, A=1, B=True)
+    assert len(kernel.triton_calls) == 1
+    # grid padded to 3 dims, stream, handles, no hooks, then the arguments in signature order
+    assert kernel.direct_calls == [(7, 1, 1, 77, "fn", "meta", None, None, None, x2, y2, 5, 0.5, True, 1)]
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "scalar", "constexpr", "warps", "absent"])
+def test_any_specialisation_change_goes_back_through_triton(kernel, change):
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    call = dict(tensors=(x, y), scalars=(5, 0.5), warps=4, consts=dict(A=1, B=True))
+    _launch.launch(kernel, (1,), call["tensors"], call["scalars"], call["warps"], 2, **call["consts"])
+    if change == "misaligned":
+        call["tensors"] = (x, FakeTensor(2048 + 8))
+    elif change == "dtype":
+        call["tensors"] = (x, FakeTensor(2048, "bf16"))
+    elif change == "scalar":
+        call["scalars"] = (6, 0.5)
+    elif change == "constexpr":
+        call["consts"] = dict(A=2, B=True)
+    elif change == "warps":
+        call["warps"] = 8
+    else:
+        call["tensors"] = (x, None)
+    _launch.launch(kernel, (1,), call["tensors"], call["scalars"], call["warps"], 2, **call["consts"])
+    assert len(kernel.triton_calls) == 2 and kernel.direct_calls == []
+
+
+def test_cache_is_bounded(kernel, monkeypatch):
+    monkeypatch.setattr(_launch, "MAX_ENTRIES", 3)
+    x = FakeTensor(1024)
+    for n in range(5):
+        _launch.launch(kernel, (1,), (x, x), (n, 0.5), 4, 2, A=1, B=True)
+    assert len(kernel._flashtile_launches) <= 3
+
+
+def test_launch_hooks_take_tritons_path(kernel):
+    x = FakeTensor(1024)
+    hook = lambda *a: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(2):
+            _launch.launch(kernel, (1,), (x, x), (1, 0.5), 4, 2, A=1, B=True)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.triton_calls) == 2 and kernel.direct_calls == []
+
+
+def test_integer_helpers():
+    assert [_launch.cdiv(a, 16) for a in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    assert [_launch.next_pow2(n) for n in (0, 1, 2, 3, 16, 17, 111)] == [1, 1, 2, 4, 16, 32, 128]
+    assert all(_launch.next_pow2(n) == triton.next_power_of_2(n) for n in range(1, 600))
