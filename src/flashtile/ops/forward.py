@@ -19,16 +19,15 @@ from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precisio
 
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_base, v_base, k_doffs, v_doffs, offs_m, start_n, sk, diag_offset,
-              left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset, left, right,
+              qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K/V block: S = Q K^T, online-softmax update of (m_i, l_i), acc += P V."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    rows = offs_n[:, None].to(tl.int64)
-    k_ptrs = k_base + rows * stride_kn + k_doffs
-    v_ptrs = v_base + rows * stride_vn + v_doffs
+    k_ptrs = k_ptrs + tl.cast(start_n, tl.int64) * stride_kn
+    v_ptrs = v_ptrs + tl.cast(start_n, tl.int64) * stride_vn
     k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
     s2, _ = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
@@ -75,10 +74,10 @@ def _fwd_kernel(
     d_mask = offs_d[None, :] < head_dim
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
               + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    k_doffs = offs_d[None, :] * stride_kd
-    v_doffs = offs_d[None, :] * stride_vd
+    k_ptrs = (K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+              + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd)
+    v_ptrs = (V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+              + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd)
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < sq) & d_mask, other=0.0)
 
     slope = 0.0
@@ -92,18 +91,18 @@ def _fwd_kernel(
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
                                            HAS_LEFT, HAS_RIGHT)
     for start_n in range(lo, full_lo, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, k_doffs, v_doffs, offs_m, start_n, sk,
-                                  diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
                                   BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                   DOT_PRECISION)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, k_doffs, v_doffs, offs_m, start_n, sk,
-                                  diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
                                   BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                   DOT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_base, v_base, k_doffs, v_doffs, offs_m, start_n, sk,
-                                  diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
                                   BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                   DOT_PRECISION)
 
