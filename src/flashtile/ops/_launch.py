@@ -39,10 +39,6 @@ def _stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
 
-def _tensor_key(t):
-    return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
-
-
 def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int, **constexprs):
     """kernel[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...), cached.
 
@@ -55,7 +51,7 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
         return kernel[grid](*tensors, *scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
     device = tensors[0].device.index
     key = (device, num_warps, num_stages, scalars, tuple(constexprs.items()),
-           tuple(_tensor_key(t) for t in tensors))
+           tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
     cache = kernel.__dict__.get("_flashtile_launches")  # {key: (compiled, constexprs in signature order)}
     if cache is None:
         cache = kernel._flashtile_launches = {}
