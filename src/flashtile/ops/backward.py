@@ -21,21 +21,22 @@ import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, kernel_scale,
-                                   load_tile_pair, q_block_program, scores_log2, visible)
+from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_dim_mask,
+                                   kernel_scale, load_tile_pair, q_block_program, scores_log2,
+                                   visible)
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
 def _delta_kernel(Out, dOut, Delta, stride_ob, stride_om, stride_oh, stride_od,
                   stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq,
-                  head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                  head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < sq) & (offs_d[None, :] < head_dim)
+    mask = (offs_m[:, None] < sq) & head_dim_mask(offs_d, head_dim, EVEN_D)
     o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
                 + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
                 mask=mask, other=0.0).to(tl.float32)
@@ -103,7 +104,7 @@ def _dkdv_kernel(
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < head_dim
+    d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
     kv_mask = (offs_n[:, None] < sk) & d_mask
     k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
                 + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
@@ -196,7 +197,7 @@ def _dq_kernel(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < head_dim
+    d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
     row_mask = (offs_m[:, None] < sq) & d_mask
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
                 + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
@@ -264,7 +265,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     pre = configs.delta_config(d, q.device)
     launch(_delta_kernel, (cdiv(sq, pre.block_m), b * h), (out, dout, delta),
            (*out.stride(), *dout.stride(), h, sq, d), pre.num_warps, pre.num_stages,
-           BLOCK_D=block_d, BLOCK_M=pre.block_m)
+           BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
 
     cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
     launch(_dkdv_kernel, (cdiv(sk, cfg.block_n), b * hk), (q, k, v, dout, lse, delta, dk, dv, alibi_slopes),

@@ -14,8 +14,9 @@ import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, kernel_scale,
-                                   load_tile_pair, q_block_program, scores_log2, visible)
+from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, head_dim_mask,
+                                   kernel_scale, load_tile_pair, q_block_program, scores_log2,
+                                   visible)
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < head_dim
+    d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
               + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
     k_ptrs = (K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
