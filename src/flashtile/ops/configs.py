@@ -31,11 +31,14 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
                    seqlen_k: int) -> BlockConfig:
     """Tiles for ops.forward on an H100 (sm_90).
 
-    From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_*.json):
-    d=64: (128, 64, 4 warps, 3 stages) is best at 1k and 4k (398 TFLOP/s at 4k), 8 warps <= 333.
-    d=128: at 4k non-causal (128, 128, 8, 3) 446 vs (64, 64, 4, 3) 419; causal 362 vs 365; at 1k
-    (64, 64, 4, 3) wins: 327 vs 301, causal 213 vs 183. (128, 64, 4, 3) spills: 118.
-    d=256: (128, 64, 8, 2) 458 / causal 359 at 4k; (64, 64, 4, 2) 250.
+    From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_*.json), with
+    the vectorised masked loads (head_dim_mask), at 2k / 4k:
+    d=64: non-causal (128, 64, 8 warps, 3 stages) 401 / 404 TFLOP/s, (128, 64, 4, 3) 395 / 398;
+    causal (64, 64, 4, 3) 336 / 398, (128, 64, 8, 3) 342 / 341.
+    d=128: non-causal (128, 128, 8, 3) 455 / 469, (64, 64, 4, 3) 409 / 410; causal (64, 64, 4, 3)
+    352 / 385, (128, 64, 8, 3) 348 / 389. (128, 64, 4, 3) spills: 168 / 181. Below 2k, before the
+    vectorised loads, (64, 64, 4, 3) won at 1k: 327 vs 301.
+    d=256: (128, 64, 8, 2) 458 / causal 359 at 4k; (64, 64, 4, 2) 250 (before them).
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
@@ -43,9 +46,9 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
     if dtype == torch.float32:
         return BlockConfig(64, 32, 4, 2) if bd <= 128 else BlockConfig(32, 32, 4, 1)
     if bd <= 64:
-        return BlockConfig(128, 64, 4, 3)
+        return BlockConfig(64, 64, 4, 3) if causal else BlockConfig(128, 64, 8, 3)
     if bd <= 128:
-        return BlockConfig(128, 128, 8, 3) if not causal and seqlen_k >= 4096 else BlockConfig(64, 64, 4, 3)
+        return BlockConfig(128, 128, 8, 3) if not causal and seqlen_k >= 2048 else BlockConfig(64, 64, 4, 3)
     return BlockConfig(128, 64, 8, 2)
 
 
@@ -59,9 +62,11 @@ def delta_config(d: int, device: torch.device) -> BlockConfig:
 def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
     """Tiles for the dK/dV kernel: block_n keys stay put, block_m query rows stream past.
 
-    Sweep (whole backward TFLOP/s, bf16, seqlen 4096): d=64 (32, 128, 4, 3) 244 / causal 197, the
-    8-warp tiles 185-210; d=128 (64, 64, 4, 2) 298 / 230, (64, 128, 8, 1) 291 / 246 (same order at
-    1k); d=256 (32, 32, 4, 2) 167 / 142, (64, 64, 8, 1) 152 / 153, (32, 64, 4, 1) spills (52).
+    Sweep (whole backward TFLOP/s, bf16, seqlen 4096, with the vectorised masked loads): d=64
+    (32, 128, 4, 3) 309 / causal 257, (64, 128, 8, 1) 273 / 267; d=128 (64, 64, 4, 2) 348 / 263,
+    (64, 128, 8, 1) 331 / 319. Every tile with BLOCK_N >= 64 spills at d=128 (ptxas), but the
+    spill-free BLOCK_N = 32 tiles were 1.5-2.5x slower. Before them: d=256 (32, 32, 4, 2) 167 / 142,
+    (64, 64, 8, 1) 152 / 153, (32, 64, 4, 1) spills (52).
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
@@ -69,7 +74,7 @@ def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) 
     if dtype == torch.float32:
         return BlockConfig(32, 64, 4, 1) if bd <= 128 else BlockConfig(16, 32, 4, 1)
     if bd <= 64:
-        return BlockConfig(32, 128, 4, 3)
+        return BlockConfig(64, 128, 8, 1) if causal else BlockConfig(32, 128, 4, 3)
     if bd <= 128:
         return BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
     return BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
@@ -78,9 +83,10 @@ def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) 
 def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
     """Tiles for the dQ kernel: block_m query rows stay put.
 
-    Sweep (whole backward, bf16, seqlen 4096): d=64 (64, 32, 4, 3) 239 / causal 189;
-    d=128 (64, 64, 4, 2) 301 / 234, (128, 64, 8, 3) 298 / 232. d=256: all seven candidates within
-    noise of each other behind the old spilling dK/dV tile; (64, 32, 4, 1) kept.
+    Sweep (whole backward, bf16, seqlen 4096): d=128 with the vectorised masked loads (64, 64, 4, 2)
+    351 / causal 317, (128, 128, 8, 2) 352 / 311, (128, 64, 8, 3) 348 / 318. Before them: d=64
+    (64, 32, 4, 3) 239 / 189; d=256: all seven candidates within noise of each other behind the
+    old spilling dK/dV tile; (64, 32, 4, 1) kept.
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
