@@ -175,7 +175,11 @@ def plot(json_path: str, out_dir: str) -> list[str]:
             ax.set_xlabel("seqlen")
             ax.set_ylabel("TFLOP/s")
             ax.grid(alpha=0.3)
-    axes[0][0].legend()
+    handles = {}  # one legend for every panel: flex has rows at d=128 only
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    axes[0][0].legend(handles.values(), handles.keys())
     env = data["env"]
     fig.suptitle(f"Prefill attention, {data['dtype']}, batch x seqlen = {data['tokens']}, "
                  f"nheads x d = 2048 — {env['gpu']}, torch {env['torch']}, triton {env['triton']}")
