@@ -11,7 +11,10 @@ from flashtile.ops import _launch
 class FakeTensor:
     def __init__(self, ptr, dtype="f16"):
         self.ptr, self.dtype = ptr, dtype
-        self.device = SimpleNamespace(type="cuda", index=0)
+        self.is_cuda = True
+
+    def get_device(self):
+        return 0
 
     def data_ptr(self):
         return self.ptr

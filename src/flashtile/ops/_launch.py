@@ -47,9 +47,9 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
     site passes the same Python type at each position (an int never becomes a float or a bool).
     """
     hooks = triton.knobs.runtime
-    if tensors[0].device.type != "cuda" or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+    if not tensors[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
         return kernel[grid](*tensors, *scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
-    device = tensors[0].device.index
+    device = tensors[0].get_device()
     key = (device, num_warps, num_stages, scalars, tuple(constexprs.items()),
            tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
     cache = kernel.__dict__.get("_flashtile_launches")  # {key: (compiled, constexprs in signature order)}

@@ -3,6 +3,7 @@
 Plain functions, so a user can override a choice by replacing the function.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -17,6 +18,7 @@ class BlockConfig(NamedTuple):
     num_stages: int
 
 
+@functools.lru_cache(maxsize=None)
 def padded_headdim(d: int) -> int:
     """Head dims are padded (by masks, never by copies) to a power of two; tl.dot needs K >= 16."""
     return max(16, next_pow2(d))
@@ -116,6 +118,7 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 8  # >= 8 key tiles per split (see decode_num_spli
 NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same split choices
 
 
+@functools.lru_cache(maxsize=None)  # once per shape: a decoding step spends its host time here otherwise
 def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device: torch.device) -> BlockConfig:
     """Tiles for the split-KV kernel of ops.decode on an H100 (sm_90).
 
@@ -188,6 +191,7 @@ class CombineConfig(NamedTuple):
     num_warps: int
 
 
+@functools.lru_cache(maxsize=None)
 def combine_config(num_splits: int, d: int) -> CombineConfig:
     """Tiles for the LSE merge: all splits of a row in one load where they fit.
 

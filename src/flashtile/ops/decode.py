@@ -424,11 +424,13 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_
 
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if num_splits == 1:
-        o_buf, l_buf = out.unsqueeze(0), lse.unsqueeze(0)
+    if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
+        o_buf, l_buf = out, lse
+        o_strides, l_strides = (0, *out.stride()), (0, *lse.stride())
     else:
         o_buf = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
         l_buf = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
+        o_strides, l_strides = o_buf.stride(), l_buf.stride()
     if b == 0:
         return out, lse
 
@@ -439,7 +441,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_
     launch(_split_kernel, (num_splits, hk * m_blocks, b),
            (q, k_cache, v_cache, o_buf, l_buf, seqlens, cache_batch_idx, cache_leftpad, block_table,
             alibi_slopes, rotary_cos, rotary_sin),
-           (*q.stride(), *k_cache.stride(), *v_cache.stride(), *o_buf.stride(), *l_buf.stride(),
+           (*q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
             *_optional(block_table, 1), *alibi_strides(alibi_slopes), *rotary_strides,
             seqlen_const, sq, seqlen_new, capacity, k_cache.shape[0], m_blocks, num_splits,
             max(left, 0), max(right, 0), qk_scale, softcap),
@@ -454,7 +456,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_
     if num_splits > 1:
         # rows (b, sq, h); the lse partials are (S, b, h, sq) and lse is (b, h, sq): their row
         # strides are given in (b, sq, h) order
-        (ps, pb, pm, ph, pd), (qs, qb, qh, qm) = o_buf.stride(), l_buf.stride()
+        (ps, pb, pm, ph, pd), (qs, qb, qh, qm) = o_strides, l_strides
         (ob, om, oh, od), (lb, lh, lm) = out.stride(), lse.stride()
         combine(o_buf, l_buf, out, lse, (b, sq, h),
                 (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od, lb, lm, lh))
