@@ -92,13 +92,19 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
 
 
-def _backward(ctx, dout, dlse):
+def _grads(ctx, dout, backward):
+    """(dq, dk, dv, None...) from what _setup_context saved, through `backward` (the custom op
+    while compiling, its implementation in eager mode)."""
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     softmax_scale, window_left, window_right, softcap, backend = ctx.args
     # dlse is not propagated: the LSE is returned for inspection/merging, like flash-attn.
-    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
-                               softcap, alibi_slopes, backend)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
+                          alibi_slopes, backend)
     return dq, dk, dv, None, None, None, None, None, None
+
+
+def _backward(ctx, dout, dlse):
+    return _grads(ctx, dout, attention_bwd)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -108,18 +114,15 @@ class _Attention(torch.autograd.Function):
     """The eager twin of attention_fwd + its registered backward: same functions, no dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend):
-        out, lse = _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-        ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
+    def forward(ctx, *inputs):
+        out, lse = _forward(*inputs)
+        _setup_context(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.args[:4], alibi_slopes, ctx.args[4])
-        return dq, dk, dv, None, None, None, None, None, None
+        return _grads(ctx, dout, _backward_impl)
 
 
 def attention(q, k, v, softmax_scale: float, window_left: Optional[int], window_right: Optional[int],
