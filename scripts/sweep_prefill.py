@@ -1,11 +1,14 @@
-"""Tile sweep for the prefill kernels on the GPU: which BlockConfig per kernel and head dim.
+"""Tile sweep for the prefill kernels on the GPU: which tiles for the forward and the backward.
 
-Replaces one configs function at a time (forward, dK/dV, dQ) and times the forward or the whole
-backward at bf16, seqlen 4096, batch x seqlen = 16k, nheads x d = 2048, causal and not. Prints a
-table and writes sweep_<kernels>_d<ds>_s<seqlens>.json (after every row) to the folder given as the
-first argument, with each compiled kernel's registers and spills.
+Replaces configs.forward_config or configs.backward_config with one candidate at a time and times
+the forward or the whole backward at bf16, batch x seqlen = 16k, nheads x d = 2048, causal and not.
+Backward candidates are one-launch grids (F: dK/dV rows, keys, dQ rows, keys, warps, stages) or two
+launches (S: a dK/dV BlockConfig and a dQ BlockConfig); each candidate's gradients are compared
+with the first candidate's (the configs in use when the list was written) before it is timed.
+Prints a table and writes sweep_<kernels>_d<ds>_s<seqlens>.json (after every row) to the folder
+given as the first argument, with each compiled kernel's registers and spills.
 
-    PYTHONPATH=src python scripts/sweep_prefill.py OUTDIR [d,d,...] [seqlen,seqlen,...] [kernel,...]
+    PYTHONPATH=src python scripts/sweep_prefill.py OUTDIR [d,d,...] [seqlen,seqlen,...] [forward,backward]
 """
 
 import os
@@ -15,9 +18,19 @@ import torch
 
 from flashtile.bench import harness
 from flashtile.ops import backward, configs, forward
-from flashtile.ops.configs import BlockConfig
+from flashtile.ops.configs import BackwardConfig, BlockConfig
 
 C = BlockConfig
+
+
+def F(m1, n1, m2, n2, warps, stages):
+    return BackwardConfig(C(m1, n1, warps, stages), C(m2, n2, warps, stages), True)
+
+
+def S(dkdv, dq):
+    return BackwardConfig(C(*dkdv), C(*dq), False)
+
+
 CANDIDATES = {
     "forward": {
         64: [C(128, 64, 4, 3), C(128, 64, 8, 3), C(128, 128, 8, 3), C(128, 128, 8, 2), C(64, 64, 4, 3),
@@ -27,51 +40,76 @@ CANDIDATES = {
         256: [C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 3), C(64, 64, 8, 2),
               C(128, 64, 8, 3), C(64, 32, 8, 2)],
     },
-    # dK/dV and dQ: the spill-free tiles at d=128 (BLOCK_N = 32, found by compiling for sm_90 off
-    # the GPU, ptxas -v) measured 1.5-2.5x slower than the spilling (64, 128) / (64, 64) ones
-    # (sweep_dkdv_d64-128_s4096.json), so these lists stay near those
-    "dkdv": {
-        64: [C(32, 128, 4, 3), C(64, 64, 4, 2), C(32, 128, 8, 2), C(64, 128, 8, 1), C(64, 128, 8, 2),
-             C(64, 128, 8, 3), C(32, 64, 4, 3)],
-        128: [C(64, 128, 8, 1), C(64, 64, 4, 2), C(64, 128, 8, 2), C(64, 128, 8, 3), C(32, 128, 8, 2),
-              C(64, 64, 4, 3), C(32, 64, 4, 2)],
-        256: [C(32, 64, 4, 1), C(32, 64, 8, 2), C(32, 64, 8, 1), C(64, 64, 8, 1), C(32, 32, 4, 2),
-              C(64, 32, 4, 1), C(16, 64, 8, 2), C(32, 128, 8, 1)],
-    },
-    "dq": {
-        64: [C(64, 32, 4, 3), C(128, 64, 8, 2), C(64, 64, 8, 3), C(128, 32, 8, 2), C(64, 64, 4, 2),
-             C(128, 64, 8, 3)],
-        128: [C(64, 64, 4, 2), C(128, 64, 8, 3), C(128, 64, 8, 2), C(64, 64, 4, 3), C(128, 128, 8, 2)],
-        256: [C(64, 32, 4, 1), C(64, 64, 8, 1), C(32, 32, 4, 2), C(64, 32, 8, 2), C(64, 64, 8, 2),
-              C(128, 32, 8, 2), C(32, 64, 4, 2)],
+    # the first of each list (per causal) is the reference for the gradient check. dK/dV tiles
+    # with BLOCK_N >= 64 spill at d=128, but the spill-free BLOCK_N = 32 ones measured 1.5-2.5x
+    # slower (sweep_dkdv_d64-128_s4096.json), so the lists stay near the spilling ones
+    "backward": {
+        64: {False: [S((32, 128, 4, 3), (64, 32, 4, 3)), F(32, 128, 128, 32, 4, 3), F(32, 128, 128, 32, 4, 4),
+                     F(32, 128, 64, 32, 4, 3), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 1),
+                     F(64, 128, 64, 64, 8, 2), F(32, 128, 64, 64, 4, 2)],
+             True: [S((64, 128, 8, 1), (64, 32, 4, 3)), F(32, 128, 128, 32, 4, 3), F(32, 128, 128, 32, 4, 4),
+                    F(32, 128, 64, 32, 4, 3), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 1),
+                    F(64, 128, 64, 64, 8, 2), F(32, 128, 64, 64, 4, 2)]},
+        128: {False: [S((64, 64, 4, 2), (64, 64, 4, 2)), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 3),
+                      F(64, 64, 64, 64, 4, 2), F(64, 128, 64, 64, 8, 1), F(64, 128, 128, 64, 8, 1),
+                      F(64, 128, 64, 64, 8, 2), F(32, 64, 64, 32, 4, 2)],
+              True: [S((64, 128, 8, 1), (64, 64, 4, 2)), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 3),
+                     F(64, 64, 64, 64, 4, 2), F(64, 128, 64, 64, 8, 1), F(64, 128, 128, 64, 8, 1),
+                     F(64, 128, 64, 64, 8, 2), F(32, 64, 64, 32, 4, 2)]},
+        256: {False: [S((32, 32, 4, 2), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), F(64, 64, 64, 32, 8, 1),
+                      F(32, 64, 64, 32, 8, 1)],
+              True: [S((64, 64, 8, 1), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), F(64, 64, 64, 32, 8, 1),
+                     F(32, 64, 64, 32, 8, 1)]},
     },
 }
-KERNELS = {"forward": "_fwd_kernel", "dkdv": "_dkdv_kernel", "dq": "_dq_kernel"}
-PATCH = {"forward": "forward_config", "dkdv": "dkdv_config", "dq": "dq_config"}
+PATCH = {"forward": "forward_config", "backward": "backward_config"}
 
 
-def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384):
+def candidates(kernel, d, causal):
+    lists = CANDIDATES[kernel][d]
+    return lists[causal] if kernel == "backward" else lists
+
+
+def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=None):
+    """(ms, TFLOP/s, registers and spills of the compiled kernels, gradients)."""
     b, h = tokens // seqlen, 2048 // d
-    q, k, v, do = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    gen = torch.Generator(device="cuda").manual_seed(0)  # the same inputs for every candidate
+    q, k, v, do = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(4))
     scale, window = d ** -0.5, (None, 0 if causal else None)
     original = getattr(configs, PATCH[kernel])
     setattr(configs, PATCH[kernel], lambda *a, **k: cfg)
-    jit = getattr(forward if kernel == "forward" else backward, KERNELS[kernel])
-    jit.__dict__.pop("_flashtile_launches", None)  # ops._launch's cache: only this config's kernel
+    jit = forward._fwd_kernel if kernel == "forward" else backward._bwd_kernel
+    jit.__dict__.pop("_flashtile_launches", None)  # ops._launch's cache: only this config's kernels
+    grads = None
     try:
         out, lse = forward.attention_forward(q, k, v, scale, window)
         if kernel == "forward":
             ms = harness.bench_ms(lambda: forward.attention_forward(q, k, v, scale, window))
             f = 4 * b * h * seqlen * seqlen * d
         else:
-            backward.attention_backward(do, q, k, v, out, lse, scale, window)
+            grads = backward.attention_backward(do, q, k, v, out, lse, scale, window)
+            if reference is not None:
+                for name, got, ref in zip(("dq", "dk", "dv"), grads, reference):
+                    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    if not err < 1e-2:  # bf16 outputs of the same sums in another order: ~4e-3
+                        raise AssertionError(f"{name} differs from the reference candidate's: {err:.3g}")
             ms = harness.bench_ms(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window))
             f = 2.5 * 4 * b * h * seqlen * seqlen * d
     finally:
         setattr(configs, PATCH[kernel], original)
     compiled = [c for c, _ in jit.__dict__.get("_flashtile_launches", {}).values()]
-    regs = {"regs": compiled[0].n_regs, "spills": compiled[0].n_spills} if compiled else {}
-    return ms, f / (2 if causal else 1) / ms * 1e-9, regs
+    regs = {"regs": [c.n_regs for c in compiled], "spills": [c.n_spills for c in compiled]}
+    return ms, f / (2 if causal else 1) / ms * 1e-9, regs, grads
+
+
+def label(cfg) -> str:
+    if isinstance(cfg, BackwardConfig):
+        a, b = cfg.dkdv, cfg.dq
+        if cfg.fused:
+            return f"F({a.block_m}, {a.block_n}, {b.block_m}, {b.block_n}, {a.num_warps}, {a.num_stages})"
+        return f"S({tuple(a)}, {tuple(b)})"
+    return str(tuple(cfg))
 
 
 def main():
@@ -86,16 +124,19 @@ def main():
         for d in ds:
             for seqlen in seqlens:
                 for causal in (False, True):
-                    for cfg in CANDIDATES[kernel][d]:
+                    reference = None
+                    for cfg in candidates(kernel, d, causal):
                         try:
-                            ms, tflops, regs = time_config(kernel, cfg, d, causal, seqlen)
+                            ms, tflops, regs, grads = time_config(kernel, cfg, d, causal, seqlen,
+                                                                  reference=reference)
+                            reference = grads if reference is None else reference
                         except Exception as e:
-                            print(f"{kernel:7s} d={d} s={seqlen} causal={causal:d} {tuple(cfg)}: {repr(e)[:100]}",
+                            print(f"{kernel:8s} d={d} s={seqlen} causal={causal:d} {label(cfg)}: {repr(e)[:200]}",
                                   flush=True)
                             continue
-                        rows.append(dict(kernel=kernel, d=d, seqlen=seqlen, causal=causal, config=list(cfg),
+                        rows.append(dict(kernel=kernel, d=d, seqlen=seqlen, causal=causal, label=label(cfg), config=cfg,
                                          ms=ms, tflops=tflops, **regs))
-                        print(f"{kernel:7s} d={d:3d} s={seqlen:5d} causal={causal:d} {tuple(cfg)!s:20s} "
+                        print(f"{kernel:8s} d={d:3d} s={seqlen:5d} causal={causal:d} {label(cfg):34s} "
                               f"{ms:7.3f} ms {tflops:6.1f} TFLOP/s {regs}", flush=True)
                         harness.write_result(path, {"env": env, "rows": rows}, quiet=True)
     best = {}
@@ -104,7 +145,7 @@ def main():
         if key not in best or r["tflops"] > best[key]["tflops"]:
             best[key] = r
     for key, r in sorted(best.items()):
-        print("BEST", key, r["config"], f"{r['tflops']:.1f}")
+        print("BEST", key, r["label"], f"{r['tflops']:.1f}")
 
 
 if __name__ == "__main__":

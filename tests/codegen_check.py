@@ -1,6 +1,11 @@
 """Compile the prefill kernels for sm_90 on the CPU and count their global loads/stores by width.
 
-    python tests/codegen_check.py KERNEL D    (KERNEL in forward, dkdv, dq; prints JSON)
+    python tests/codegen_check.py KERNEL D [BLOCKS]    (prints JSON)
+
+KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own) or
+backward (both kinds in one grid); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
+or dQ, 32,128,128,32,4,3 (dK/dV rows and keys, dQ rows and keys, warps, stages) for the backward.
+With --regs it also reports registers and spill bytes per thread from ptxas -v.
 
 Triton compiles for a GPU target without a GPU (ptxas and cuobjdump ship in the triton wheel), so
 properties of the generated code can be tested in CI. The arguments mirror a bf16 launch on
@@ -22,42 +27,71 @@ from triton.compiler import ASTSource
 
 from flashtile.ops import backward, configs, forward
 
-KERNELS = {"forward": (forward._fwd_kernel, configs.BlockConfig(64, 64, 4, 3)),
-           "dkdv": (backward._dkdv_kernel, configs.BlockConfig(64, 128, 8, 1)),
-           "dq": (backward._dq_kernel, configs.BlockConfig(64, 64, 4, 2))}
+B = configs.BlockConfig
+KERNELS = {  # kernel, default tiles, the names they set
+    "forward": (forward._fwd_kernel, B(64, 64, 4, 3), dict(BLOCK_M=0, BLOCK_N=1)),
+    "dkdv": (backward._bwd_kernel, B(64, 128, 8, 1), dict(BLOCK_M1=0, BLOCK_N1=1, BLOCK_M2=0, BLOCK_N2=1)),
+    "dq": (backward._bwd_kernel, B(64, 64, 4, 2), dict(BLOCK_M1=0, BLOCK_N1=1, BLOCK_M2=0, BLOCK_N2=1)),
+    "backward": (backward._bwd_kernel, (64, 128, 128, 64, 8, 2),
+                 dict(BLOCK_M1=0, BLOCK_N1=1, BLOCK_M2=2, BLOCK_N2=3)),
+}
+PARTS = {"dkdv": dict(DKDV=True, DQ=False), "dq": dict(DKDV=False, DQ=True),
+         "backward": dict(DKDV=True, DQ=True), "forward": {}}
 FP32_POINTERS = ("Lse", "Delta")
 FLOATS = ("qk_scale", "softcap", "softmax_scale")
 
 
-def compile_sm90(kernel, cfg, d: int):
+def compile_sm90(name: str, d: int, blocks=None):
+    kernel, default, fields = KERNELS[name]
+    blocks = tuple(blocks or default)
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)
-    const = dict(Slopes=None, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False,
-                 EVEN_D=d == block_d, DOT_PRECISION="ieee", stride_slope_b=0, stride_slope_h=0)
+    const = dict(Slopes=None, BLOCK_D=block_d, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False,
+                 HAS_ALIBI=False, EVEN_D=d == block_d, DOT_PRECISION="ieee", stride_slope_b=0,
+                 stride_slope_h=0, **PARTS[name])
+    const.update({field: blocks[i] for field, i in fields.items()})
     const.update({n: 1 for n in names if n.startswith("stride_") and n.endswith("d")})
     signature, attrs = {}, {}
-    for i, name in enumerate(names):
-        if name in const:
-            signature[name] = "constexpr"
-        elif name[0].isupper() or name in ("dO", "dK", "dV", "dQ"):
-            signature[name] = "*fp32" if name in FP32_POINTERS else "*bf16"
+    for i, pname in enumerate(names):
+        if pname in const:
+            signature[pname] = "constexpr"
+        elif pname[0].isupper() or pname in ("dO", "dK", "dV", "dQ"):
+            signature[pname] = "*fp32" if pname in FP32_POINTERS else "*bf16"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in FLOATS:
-            signature[name] = "fp32"
+        elif pname in FLOATS:
+            signature[pname] = "fp32"
         else:
-            signature[name] = "i32"
-            if name.startswith("stride_"):
+            signature[pname] = "i32"
+            if pname.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items() if n in names},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                          options=dict(num_warps=blocks[-2], num_stages=blocks[-1]))
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def registers(compiled) -> dict:
+    """{'regs': n, 'spill_bytes': n} from ptxas -v on the kernel's PTX."""
+    path = f"/tmp/flashtile_codegen_{os.getpid()}.ptx"
+    with open(path, "w") as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.remove(path)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_bytes": int(spills.group(1)) if spills else 0}
 
 
 def global_memory_ops(compiled) -> dict:
     """{'LDG.E.128': n, 'LDG.E.U16': n, 'STG.E.128': n, ...} from the cubin's SASS."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = _tool("cuobjdump")
     path = f"/tmp/flashtile_codegen_{os.getpid()}.cubin"
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
@@ -69,5 +103,9 @@ def global_memory_ops(compiled) -> dict:
 
 
 if __name__ == "__main__":
-    kernel, cfg = KERNELS[sys.argv[1]]
-    print(json.dumps(global_memory_ops(compile_sm90(kernel, cfg, int(sys.argv[2])))))
+    args = [a for a in sys.argv[1:] if a != "--regs"]
+    compiled = compile_sm90(args[0], int(args[1]), [int(x) for x in args[2].split(",")] if len(args) > 2 else None)
+    report = global_memory_ops(compiled)
+    if "--regs" in sys.argv:
+        report.update(registers(compiled))
+    print(json.dumps(report))

@@ -2,15 +2,20 @@
 
 Launches:
   1. delta = rowsum(dO * O)                                   (b, h, sq), the FA2 preprocess
-  2. dK, dV: one program per (K/V block, batch x kv head); it loops over the query heads of its
-     GQA group and over their Q blocks, so the group reduction happens in registers.
-  3. dQ: one program per (Q block, batch x head) looping over K/V blocks, recomputing P and dP
-     (7 matmuls per block pair in all, no atomics, bitwise reproducible).
-FA2 instead adds dS K into an fp32 dQ with atomics inside step 2 (5 matmuls per block pair). That
-path was built and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256): 6-20% slower for the
-whole backward than the dQ kernel at every shape, so it was removed (benchmarks/results/h100/NOTES.md).
-Both loops skip the blocks that the mask hides and run the fully visible ones without mask work
-(ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
+  2. one grid of two kinds of programs (_bwd_kernel), or each kind in its own launch
+     (configs.backward_config decides, from measurements):
+     - dK, dV: one program per (K/V block, batch x kv head); it loops over the query heads of its
+       GQA group and over their Q blocks, so the group reduction happens in registers.
+     - dQ: one program per (Q block, query head) looping over K/V blocks, recomputing P and dP
+       (7 matmuls per block pair in all, no atomics, bitwise reproducible).
+     In the one-launch grid the dK/dV programs come first (the longest), then the dQ programs; both
+     kinds run on the SMs at the same time, and only one tail is left at the end.
+FA2 instead adds dS K into an fp32 dQ with atomics inside the dK/dV loop (5 matmuls per block
+pair). That path was built and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256): 6-20%
+slower for the whole backward than the dQ programs at every shape, so it was removed
+(benchmarks/results/h100/NOTES.md). Both loops skip the blocks that the mask hides and run the
+fully visible ones without mask work (ops._common.block_range). dK/dQ are scaled by softmax_scale
+once at the end.
 """
 
 from __future__ import annotations
@@ -22,8 +27,7 @@ import triton.language as tl
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_dim_mask,
-                                   kernel_scale, load_tile_pair, q_block_program, scores_log2,
-                                   visible)
+                                   kernel_scale, load_tile_pair, scores_log2, visible)
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -47,10 +51,18 @@ def _delta_kernel(Out, dOut, Delta, stride_ob, stride_om, stride_oh, stride_od,
 
 
 @triton.jit
-def _load_lse2(Lse, offs, n):
-    """LSE (natural log) -> log2 domain; rows that saw no key (-inf) become +inf so P = 0 there."""
-    lse = tl.load(Lse + offs, mask=offs < n, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+def _load_rows(Lse, Delta, offs, n, MASKED: tl.constexpr):
+    """LSE in the log2 domain and delta of the rows offs. Rows that saw no key (LSE -inf) get
+    +inf so P = 0 there; outside the masked phases every row is in bounds and saw this block's
+    keys, so neither the bounds check nor the fix-up is needed."""
+    if MASKED:
+        lse = tl.load(Lse + offs, mask=offs < n, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        delta = tl.load(Delta + offs, mask=offs < n, other=0.0)
+    else:
+        lse2 = tl.load(Lse + offs) * LOG2E
+        delta = tl.load(Delta + offs)
+    return lse2, delta
 
 
 @triton.jit
@@ -64,8 +76,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, star
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
     do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
     q, do = load_tile_pair(q_ptrs, do_ptrs, offs_m[:, None] < sq, d_mask, MASKED, EVEN_D)
-    lse2 = _load_lse2(lse_base, offs_m, sq)
-    delta = tl.load(delta_base + offs_m, mask=offs_m < sq, other=0.0)
+    lse2, delta = _load_rows(lse_base, delta_base, offs_m, sq, MASKED)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
     s2_t, dcap_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, softcap, slope,
                                diag_offset, HAS_SOFTCAP, HAS_ALIBI)
@@ -80,28 +91,19 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, star
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
-def _dkdv_kernel(
-    Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    stride_slope_b, stride_slope_h,
-    nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit
+def _dkdv_program(
+    start_n, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
+    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
+    softmax_scale, head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
-    b = bhk // nheads_k
-    hk = bhk % nheads_k
-    group = nheads // nheads_k
+    """dK, dV of keys [start_n, start_n + BLOCK_N) of K/V head hk, summed over its query heads."""
     diag_offset = sk - sq
-
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
@@ -178,23 +180,19 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_o
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
-def _dq_kernel(
-    Q, K, V, dO, Lse, Delta, dQ, Slopes,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    stride_slope_b, stride_slope_h,
-    nheads, group, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit
+def _dq_program(
+    start_m, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes,
+    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
+    nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, HAS_RIGHT)
+    """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk)."""
     diag_offset = sk - sq
-
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
@@ -205,9 +203,8 @@ def _dq_kernel(
     do = tl.load(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
                  + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod,
                  mask=row_mask, other=0.0)
-    row_base = bh.to(tl.int64) * sq
-    lse2 = _load_lse2(Lse + row_base, offs_m, sq)
-    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < sq, other=0.0)
+    row_base = (b * nheads + h).to(tl.int64) * sq
+    lse2, delta = _load_rows(Lse + row_base, Delta + row_base, offs_m, sq, True)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
@@ -238,6 +235,65 @@ def _dq_kernel(
              dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
+def _bwd_kernel(
+    Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_slope_b, stride_slope_h,
+    nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
+    head_dim, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid (programs, batch x kv head). With DKDV the first cdiv(sk, BLOCK_N1) programs are dK/dV
+    programs (BLOCK_N1 keys, BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group
+    are dQ programs (BLOCK_M2 rows, BLOCK_N2 keys per step) of the group's query heads."""
+    pid = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
+    group = nheads // nheads_k
+    if DKDV and DQ:
+        first_dq = tl.cdiv(sk, BLOCK_N1)
+        is_dkdv = pid < first_dq
+    else:  # one kind per launch: decided at compile time, the other kind is not compiled in
+        first_dq = 0
+        is_dkdv = DKDV
+    if is_dkdv:
+        _dkdv_program(
+            pid * BLOCK_N1, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
+            stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+            stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+            stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+            stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
+            softmax_scale, head_dim, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            HAS_ALIBI, EVEN_D, DOT_PRECISION)
+    else:
+        # Consecutive programs take the group's heads for one Q block. With a right-bounded mask
+        # (causal) the last Q blocks see the most keys, so they go first and the short ones fill
+        # the tail.
+        j = pid - first_dq
+        pid_m = j // group
+        if HAS_RIGHT:
+            pid_m = tl.cdiv(sq, BLOCK_M2) - 1 - pid_m
+        h = hk * group + j % group
+        _dq_program(
+            pid_m * BLOCK_M2, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes,
+            stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+            stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+            stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
+            nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
+            BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
+            DOT_PRECISION)
+
+
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
                        softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None):
     """Launch the backward. Shapes as ops.forward.attention_forward; lse (b, h, sq) float32.
@@ -255,11 +311,6 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     causal = window[1] == 0
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
-    flags = dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
-                 HAS_ALIBI=alibi_slopes is not None, EVEN_D=d == block_d,
-                 DOT_PRECISION=dot_precision(q.dtype))
-    scalars = (*alibi_strides(alibi_slopes), h, hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
-               softmax_scale, d)
 
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     pre = configs.delta_config(d, q.device)
@@ -267,14 +318,23 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
            (*out.stride(), *dout.stride(), h, sq, d), pre.num_warps, pre.num_stages,
            BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
 
-    cfg = configs.dkdv_config(d, q.dtype, q.device, causal)
-    launch(_dkdv_kernel, (cdiv(sk, cfg.block_n), b * hk), (q, k, v, dout, lse, delta, dk, dv, alibi_slopes),
-           (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *scalars),
-           cfg.num_warps, cfg.num_stages, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
-
-    cfg = configs.dq_config(d, q.dtype, q.device, causal)
-    launch(_dq_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, dout, lse, delta, dq, alibi_slopes),
-           (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *scalars[:3],
-            h // hk, *scalars[4:]),
-           cfg.num_warps, cfg.num_stages, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
+    cfg = configs.backward_config(d, q.dtype, q.device, causal)
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi_slopes)
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *dk.stride(),
+               *dv.stride(), *alibi_strides(alibi_slopes), h, hk, sq, sk, left or 0, right or 0,
+               qk_scale, softcap, softmax_scale, d)
+    flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
+                 BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,
+                 HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+                 EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype))
+    kv_programs = cdiv(sk, cfg.dkdv.block_n)
+    q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
+    if cfg.fused:
+        launch(_bwd_kernel, (kv_programs + q_programs, b * hk), tensors, scalars, cfg.dkdv.num_warps,
+               cfg.dkdv.num_stages, DKDV=True, DQ=True, **flags)
+    else:
+        launch(_bwd_kernel, (kv_programs, b * hk), tensors, scalars, cfg.dkdv.num_warps,
+               cfg.dkdv.num_stages, DKDV=True, DQ=False, **flags)
+        launch(_bwd_kernel, (q_programs, b * hk), tensors, scalars, cfg.dq.num_warps,
+               cfg.dq.num_stages, DKDV=False, DQ=True, **flags)
     return dq, dk, dv

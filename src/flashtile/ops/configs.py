@@ -61,45 +61,39 @@ def delta_config(d: int, device: torch.device) -> BlockConfig:
     return BlockConfig(128, 0, 4, 1)
 
 
-def dkdv_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
-    """Tiles for the dK/dV kernel: block_n keys stay put, block_m query rows stream past.
+class BackwardConfig(NamedTuple):
+    dkdv: BlockConfig  # dK/dV programs: block_n keys stay put, block_m query rows stream past
+    dq: BlockConfig  # dQ programs: block_m query rows stay put, block_n keys stream past
+    fused: bool  # both kinds in one launch (then they share dkdv's num_warps and num_stages)
 
-    Sweep (whole backward TFLOP/s, bf16, seqlen 4096, with the vectorised masked loads): d=64
-    (32, 128, 4, 3) 309 / causal 257, (64, 128, 8, 1) 273 / 267; d=128 (64, 64, 4, 2) 348 / 263,
-    (64, 128, 8, 1) 331 / 319. Every tile with BLOCK_N >= 64 spills at d=128 (ptxas), but the
-    spill-free BLOCK_N = 32 tiles were 1.5-2.5x slower. Before them: d=256 (32, 32, 4, 2) 167 / 142,
-    (64, 64, 8, 1) 152 / 153, (32, 64, 4, 1) spills (52).
+
+@functools.lru_cache(maxsize=None)
+def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BackwardConfig:
+    """Tiles for ops.backward on an H100 (sm_90).
+
+    Two launches, from scripts/sweep_prefill.py (whole backward TFLOP/s, bf16, seqlen 4096, with
+    the vectorised masked loads): dK/dV d=64 (32, 128, 4, 3) 309 / causal 257, (64, 128, 8, 1)
+    273 / 267; d=128 (64, 64, 4, 2) 348 / 263, (64, 128, 8, 1) 331 / 319. Every dK/dV tile with
+    BLOCK_N >= 64 spills at d=128 (ptxas), but the spill-free BLOCK_N = 32 tiles were 1.5-2.5x
+    slower. dQ d=128 (64, 64, 4, 2) 351 / causal 317, (128, 128, 8, 2) 352 / 311, (128, 64, 8, 3)
+    348 / 318; before the vectorised loads d=64 (64, 32, 4, 3) 239 / 189. d=256 (before them):
+    dK/dV (32, 32, 4, 2) 167 / 142, (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
     """
     if device.type != "cuda":
-        return INTERPRETER_CONFIG
+        return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, True)
     bd = padded_headdim(d)
     if dtype == torch.float32:
-        return BlockConfig(32, 64, 4, 1) if bd <= 128 else BlockConfig(16, 32, 4, 1)
+        if bd <= 128:
+            return BackwardConfig(BlockConfig(32, 64, 4, 1), BlockConfig(64, 32, 4, 1), False)
+        return BackwardConfig(BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1), False)
     if bd <= 64:
-        return BlockConfig(64, 128, 8, 1) if causal else BlockConfig(32, 128, 4, 3)
+        dkdv = BlockConfig(64, 128, 8, 1) if causal else BlockConfig(32, 128, 4, 3)
+        return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 3), False)
     if bd <= 128:
-        return BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
-    return BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
-
-
-def dq_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
-    """Tiles for the dQ kernel: block_m query rows stay put.
-
-    Sweep (whole backward, bf16, seqlen 4096): d=128 with the vectorised masked loads (64, 64, 4, 2)
-    351 / causal 317, (128, 128, 8, 2) 352 / 311, (128, 64, 8, 3) 348 / 318. Before them: d=64
-    (64, 32, 4, 3) 239 / 189; d=256: all seven candidates within noise of each other behind the
-    old spilling dK/dV tile; (64, 32, 4, 1) kept.
-    """
-    if device.type != "cuda":
-        return INTERPRETER_CONFIG
-    bd = padded_headdim(d)
-    if dtype == torch.float32:
-        return BlockConfig(64, 32, 4, 1) if bd <= 128 else BlockConfig(32, 16, 4, 1)
-    if bd <= 64:
-        return BlockConfig(64, 32, 4, 3)
-    if bd <= 128:
-        return BlockConfig(64, 64, 4, 2)
-    return BlockConfig(64, 32, 4, 1)
+        dkdv = BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
+        return BackwardConfig(dkdv, BlockConfig(64, 64, 4, 2), False)
+    dkdv = BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
+    return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 1), False)
 
 
 # --------------------------------------------------------------------------------------------
