@@ -44,22 +44,24 @@ CANDIDATES = {
     # with BLOCK_N >= 64 spill at d=128, but the spill-free BLOCK_N = 32 ones measured 1.5-2.5x
     # slower (sweep_dkdv_d64-128_s4096.json), so the lists stay near the spilling ones
     "backward": {
-        64: {False: [S((32, 128, 4, 3), (64, 32, 4, 3)), F(32, 128, 128, 32, 4, 3), F(32, 128, 128, 32, 4, 4),
-                     F(32, 128, 64, 32, 4, 3), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 1),
-                     F(64, 128, 64, 64, 8, 2), F(32, 128, 64, 64, 4, 2)],
-             True: [S((64, 128, 8, 1), (64, 32, 4, 3)), F(32, 128, 128, 32, 4, 3), F(32, 128, 128, 32, 4, 4),
-                    F(32, 128, 64, 32, 4, 3), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 1),
-                    F(64, 128, 64, 64, 8, 2), F(32, 128, 64, 64, 4, 2)]},
-        128: {False: [S((64, 64, 4, 2), (64, 64, 4, 2)), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 3),
-                      F(64, 64, 64, 64, 4, 2), F(64, 128, 64, 64, 8, 1), F(64, 128, 128, 64, 8, 1),
-                      F(64, 128, 64, 64, 8, 2), F(32, 64, 64, 32, 4, 2)],
-              True: [S((64, 128, 8, 1), (64, 64, 4, 2)), F(64, 128, 128, 64, 8, 2), F(64, 128, 128, 64, 8, 3),
-                     F(64, 64, 64, 64, 4, 2), F(64, 128, 64, 64, 8, 1), F(64, 128, 128, 64, 8, 1),
-                     F(64, 128, 64, 64, 8, 2), F(32, 64, 64, 32, 4, 2)]},
-        256: {False: [S((32, 32, 4, 2), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), F(64, 64, 64, 32, 8, 1),
-                      F(32, 64, 64, 32, 8, 1)],
-              True: [S((64, 64, 8, 1), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), F(64, 64, 64, 32, 8, 1),
-                     F(32, 64, 64, 32, 8, 1)]},
+        64: {False: [S((32, 128, 4, 3), (64, 32, 4, 3)), S((64, 128, 8, 1), (128, 32, 4, 3)),
+                     S((32, 128, 4, 2), (128, 32, 8, 2)), S((16, 128, 4, 3), (128, 64, 8, 2)),
+                     S((32, 64, 4, 3), (64, 64, 4, 3)), S((64, 128, 8, 2), (128, 64, 8, 3)),
+                     S((32, 128, 8, 2), (128, 32, 4, 2)), F(32, 128, 128, 32, 4, 3)],
+             True: [S((64, 128, 8, 1), (64, 32, 4, 3)), S((32, 128, 4, 3), (128, 32, 4, 3)),
+                    S((32, 128, 4, 2), (128, 32, 8, 2)), S((16, 128, 4, 3), (128, 64, 8, 2)),
+                    S((32, 64, 4, 3), (64, 64, 4, 3)), S((64, 128, 8, 2), (128, 64, 8, 3)),
+                    S((32, 128, 8, 2), (128, 32, 4, 2)), F(32, 128, 128, 32, 4, 3)]},
+        128: {False: [S((64, 64, 4, 2), (64, 64, 4, 2)), S((64, 128, 8, 1), (128, 64, 8, 2)),
+                      S((64, 128, 8, 2), (128, 32, 8, 2)), S((32, 128, 8, 2), (128, 64, 8, 3)),
+                      S((32, 64, 4, 2), (128, 128, 8, 2)), S((64, 64, 4, 3), (128, 32, 4, 2))],
+              True: [S((64, 128, 8, 1), (64, 64, 4, 2)), S((64, 64, 4, 2), (128, 64, 8, 2)),
+                     S((64, 128, 8, 2), (128, 32, 8, 2)), S((32, 128, 8, 2), (128, 64, 8, 3)),
+                     S((32, 64, 4, 2), (128, 128, 8, 2)), S((64, 64, 4, 3), (128, 32, 4, 2))]},
+        256: {False: [S((32, 32, 4, 2), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), S((64, 64, 8, 1), (64, 64, 8, 1)),
+                      S((32, 64, 8, 1), (128, 32, 8, 1)), S((16, 64, 4, 2), (64, 32, 4, 2))],
+              True: [S((64, 64, 8, 1), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), S((32, 32, 4, 2), (64, 64, 8, 1)),
+                     S((32, 64, 8, 1), (128, 32, 8, 1)), S((16, 64, 4, 2), (64, 32, 4, 2))]},
     },
 }
 PATCH = {"forward": "forward_config", "backward": "backward_config"}
@@ -68,6 +70,24 @@ PATCH = {"forward": "forward_config", "backward": "backward_config"}
 def candidates(kernel, d, causal):
     lists = CANDIDATES[kernel][d]
     return lists[causal] if kernel == "backward" else lists
+
+
+def launch_times(fn, reps: int = 10) -> list:
+    """Device milliseconds of each kernel launch that fn() makes, in launch order (medians over
+    reps), from torch.profiler: the backward's delta, dK/dV and dQ launches (or delta and one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "_kernel" in e.name), key=lambda e: e.time_range.start)
+    per_call = len(kernels) // reps
+    times = [sorted(e.device_time for e in kernels[i::per_call])[reps // 2] / 1e3 for i in range(per_call)]
+    return [round(t, 4) for t in times]
 
 
 def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=None):
@@ -81,7 +101,7 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
     setattr(configs, PATCH[kernel], lambda *a, **k: cfg)
     jit = forward._fwd_kernel if kernel == "forward" else backward._bwd_kernel
     jit.__dict__.pop("_flashtile_launches", None)  # ops._launch's cache: only this config's kernels
-    grads = None
+    grads, launch_ms = None, None
     try:
         out, lse = forward.attention_forward(q, k, v, scale, window)
         if kernel == "forward":
@@ -95,11 +115,17 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
                     if not err < 1e-2:  # bf16 outputs of the same sums in another order: ~4e-3
                         raise AssertionError(f"{name} differs from the reference candidate's: {err:.3g}")
             ms = harness.bench_ms(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window))
+            try:
+                launch_ms = launch_times(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window))
+            except Exception as e:  # the profiler's event API moves between torch versions
+                launch_ms = repr(e)[:200]
             f = 2.5 * 4 * b * h * seqlen * seqlen * d
     finally:
         setattr(configs, PATCH[kernel], original)
     compiled = [c for c, _ in jit.__dict__.get("_flashtile_launches", {}).values()]
     regs = {"regs": [c.n_regs for c in compiled], "spills": [c.n_spills for c in compiled]}
+    if launch_ms is not None:
+        regs["launch_ms"] = launch_ms
     return ms, f / (2 if causal else 1) / ms * 1e-9, regs, grads
 
 
