@@ -42,14 +42,22 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def in_window(i, j, diag_offset, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Is key j inside query row i's window (both sides given by HAS_LEFT / HAS_RIGHT)?"""
+    diag = i + diag_offset
+    if HAS_LEFT and HAS_RIGHT:
+        return (j >= diag - left) & (j <= diag + right)
+    if HAS_LEFT:
+        return j >= diag - left
+    return j <= diag + right
+
+
+@triton.jit
 def visible(i, j, diag_offset, n_keys, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """May query row i see key j? i and j broadcast against each other (either may be rows)."""
-    diag = i + diag_offset
     ok = j < n_keys
-    if HAS_LEFT:
-        ok = ok & (j >= diag - left)
-    if HAS_RIGHT:
-        ok = ok & (j <= diag + right)
+    if HAS_LEFT or HAS_RIGHT:
+        ok = ok & in_window(i, j, diag_offset, left, right, HAS_LEFT, HAS_RIGHT)
     return ok
 
 

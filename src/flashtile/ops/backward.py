@@ -27,7 +27,7 @@ import triton.language as tl
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_dim_mask,
-                                   kernel_scale, load_tile_pair, scores_log2, visible)
+                                   in_window, kernel_scale, load_tile_pair, scores_log2, visible)
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -81,8 +81,10 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, star
     s2_t, dcap_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, softcap, slope,
                                diag_offset, HAS_SOFTCAP, HAS_ALIBI)
     p_t = tl.exp2(s2_t - lse2[None, :])
-    if MASKED:
-        ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+    # Bounds need no mask here: rows past sq load zeros with an LSE of +inf, so P = 0 there; keys
+    # past sk only reach their own dK/dV rows, which are never stored.
+    if MASKED and (HAS_LEFT or HAS_RIGHT):
+        ok = in_window(offs_m[None, :], offs_n[:, None], diag_offset, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = tl.where(ok, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)

@@ -71,13 +71,21 @@ class BackwardConfig(NamedTuple):
 def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BackwardConfig:
     """Tiles for ops.backward on an H100 (sm_90).
 
-    Two launches, from scripts/sweep_prefill.py (whole backward TFLOP/s, bf16, seqlen 4096, with
-    the vectorised masked loads): dK/dV d=64 (32, 128, 4, 3) 309 / causal 257, (64, 128, 8, 1)
-    273 / 267; d=128 (64, 64, 4, 2) 348 / 263, (64, 128, 8, 1) 331 / 319. Every dK/dV tile with
-    BLOCK_N >= 64 spills at d=128 (ptxas), but the spill-free BLOCK_N = 32 tiles were 1.5-2.5x
-    slower. dQ d=128 (64, 64, 4, 2) 351 / causal 317, (128, 128, 8, 2) 352 / 311, (128, 64, 8, 3)
-    348 / 318; before the vectorised loads d=64 (64, 32, 4, 3) 239 / 189. d=256 (before them):
-    dK/dV (32, 32, 4, 2) 167 / 142, (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
+    From scripts/sweep_prefill.py, bf16, seqlen 2k / 8k, device time of each launch
+    (sweep_backward_parts_d64-128_s2048-8192.json); the two launches are independent, so each
+    takes its own best tile:
+    d=64 dK/dV (32, 128, 4, 3) 1.30 / 5.01 ms, causal 0.88 / 2.84; (64, 128, 8, 1) 1.70 / 6.12,
+    causal 0.94 / 3.31. dQ (64, 64, 4, 3) 0.78 / 2.91, causal 0.44 / 1.48; (64, 32, 4, 3) 0.78 /
+    3.13, causal 0.43 / 1.56; (128, 64, 8, 3) causal 0.43 / 1.41.
+    d=128 dK/dV (64, 64, 4, 2) 1.22 / 4.19; causal (64, 128, 8, 1) 0.77 / 2.60, (64, 128, 8, 2)
+    0.80 / 2.44. dQ (128, 64, 8, 3) 0.76 / 2.73, causal 0.45 / 1.42; (64, 64, 4, 2) 0.79 / 2.72,
+    causal 0.44 / 1.49. Every dK/dV tile with BLOCK_N >= 64 spills at d=128 (ptxas), but the
+    spill-free BLOCK_N = 32 ones were 1.5-2.5x slower (sweep_dkdv_d64-128_s4096.json).
+    One launch for both kinds (fused) lost at every shape but d=64 causal 8k (sweep_backward_*.json:
+    e.g. d=128 2k 334 vs 341 TFLOP/s, causal 234 vs 270): one tile, warp count and stage count
+    must then suit both kinds, and the registers of the heavier kind bind both.
+    d=256 (before the vectorised loads): dK/dV (32, 32, 4, 2) 167 / causal 142 TFLOP/s,
+    (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
     """
     if device.type != "cuda":
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, True)
@@ -87,11 +95,11 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
             return BackwardConfig(BlockConfig(32, 64, 4, 1), BlockConfig(64, 32, 4, 1), False)
         return BackwardConfig(BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1), False)
     if bd <= 64:
-        dkdv = BlockConfig(64, 128, 8, 1) if causal else BlockConfig(32, 128, 4, 3)
-        return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 3), False)
+        dq = BlockConfig(128, 64, 8, 3) if causal else BlockConfig(64, 64, 4, 3)
+        return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False)
     if bd <= 128:
         dkdv = BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
-        return BackwardConfig(dkdv, BlockConfig(64, 64, 4, 2), False)
+        return BackwardConfig(dkdv, BlockConfig(128, 64, 8, 3), False)
     dkdv = BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
     return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 1), False)
 
