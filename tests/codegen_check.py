@@ -35,8 +35,10 @@ KERNELS = {  # kernel, default tiles, the names they set
     "backward": (backward._bwd_kernel, (64, 128, 128, 64, 8, 2),
                  dict(BLOCK_M1=0, BLOCK_N1=1, BLOCK_M2=2, BLOCK_N2=3)),
 }
+KERNELS["dkdv-tma"] = KERNELS["dkdv"]
 PARTS = {"dkdv": dict(DKDV=True, DQ=False), "dq": dict(DKDV=False, DQ=True),
-         "backward": dict(DKDV=True, DQ=True), "forward": {}}
+         "backward": dict(DKDV=True, DQ=True), "forward": {}, "dkdv-tma": dict(DKDV=True, DQ=False)}
+DESCRIPTORS = ("Q_desc", "dO_desc")
 FP32_POINTERS = ("Lse", "Delta")
 FLOATS = ("qk_scale", "softcap", "softmax_scale")
 
@@ -51,9 +53,16 @@ def compile_sm90(name: str, d: int, blocks=None):
                  stride_slope_h=0, **PARTS[name])
     const.update({field: blocks[i] for field, i in fields.items()})
     const.update({n: 1 for n in names if n.startswith("stride_") and n.endswith("d")})
+    tma = name.endswith("-tma")
+    if "USE_TMA" in names:
+        const["USE_TMA"] = tma
+        if not tma:
+            const.update({n: None for n in DESCRIPTORS})
     signature, attrs = {}, {}
     for i, pname in enumerate(names):
-        if pname in const:
+        if pname in DESCRIPTORS and tma:
+            signature[pname] = f"tensordesc<bf16[1,{const['BLOCK_M1']},1,{block_d}]>"
+        elif pname in const:
             signature[pname] = "constexpr"
         elif pname[0].isupper() or pname in ("dO", "dK", "dV", "dQ"):
             signature[pname] = "*fp32" if pname in FP32_POINTERS else "*bf16"

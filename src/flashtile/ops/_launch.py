@@ -20,6 +20,7 @@ call takes Triton's path.
 from __future__ import annotations
 
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 MAX_ENTRIES = 512  # per kernel
 
@@ -39,6 +40,15 @@ def _stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
 
+def _tensor_key(t):
+    """What Triton specialises a pointer or TMA descriptor argument on."""
+    if t is None:
+        return None
+    if isinstance(t, TensorDescriptor):
+        return ("desc", t.base.dtype, tuple(t.block_shape), t.padding)
+    return (t.dtype, t.data_ptr() % 16 == 0)
+
+
 def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int, **constexprs):
     """kernel[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...), cached.
 
@@ -51,7 +61,7 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
         return kernel[grid](*tensors, *scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
     device = tensors[0].get_device()
     key = (device, num_warps, num_stages, scalars, tuple(constexprs.items()),
-           tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+           tuple(_tensor_key(t) for t in tensors))
     cache = kernel.__dict__.get("_flashtile_launches")  # {key: (compiled, constexprs in signature order)}
     if cache is None:
         cache = kernel._flashtile_launches = {}

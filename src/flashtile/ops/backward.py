@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_dim_mask,
@@ -66,16 +68,21 @@ def _load_rows(Lse, Delta, offs, n, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m, sq, sk,
-               diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom,
-               q_doffs, do_doffs, d_mask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-               EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, offs_n,
+               start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
+               stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
-    do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
-    q, do = load_tile_pair(q_ptrs, do_ptrs, offs_m[:, None] < sq, d_mask, MASKED, EVEN_D)
+    if USE_TMA:  # the copy engine zero-fills rows past sq and head dims past d
+        q = q_desc.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = do_desc.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
+        do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
+        q, do = load_tile_pair(q_ptrs, do_ptrs, offs_m[:, None] < sq, d_mask, MASKED, EVEN_D)
     lse2, delta = _load_rows(lse_base, delta_base, offs_m, sq, MASKED)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
     s2_t, dcap_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, softcap, slope,
@@ -95,14 +102,14 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, star
 
 @triton.jit
 def _dkdv_program(
-    start_n, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
+    start_n, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, q_desc, do_desc,
     stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
     softmax_scale, head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of keys [start_n, start_n + BLOCK_N) of K/V head hk, summed over its query heads."""
     diag_offset = sk - sq
@@ -135,20 +142,20 @@ def _dkdv_program(
         lse_base = Lse + row_base
         delta_base = Delta + row_base
         for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
-                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
-                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT,
-                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base,
+                                offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                                stride_qm, stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, BLOCK_D, True,
+                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
         for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
-                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
-                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, False, EVEN_D, HAS_LEFT,
-                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base,
+                                offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                                stride_qm, stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, BLOCK_D, False,
+                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
         for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, start_m,
-                                sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
-                                stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, True, EVEN_D, HAS_LEFT,
-                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base,
+                                offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                                stride_qm, stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, BLOCK_D, True,
+                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     dk = dk * softmax_scale
     tl.store(dK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
@@ -239,7 +246,7 @@ def _dq_program(
 
 @triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
 def _bwd_kernel(
-    Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes,
+    Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -251,6 +258,7 @@ def _bwd_kernel(
     nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
     head_dim, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
+    USE_TMA: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -270,13 +278,13 @@ def _bwd_kernel(
         is_dkdv = DKDV
     if is_dkdv:
         _dkdv_program(
-            pid * BLOCK_N1, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes,
+            pid * BLOCK_N1, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, Q_desc, dO_desc,
             stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
             stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
             stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
             stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
             softmax_scale, head_dim, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, EVEN_D, DOT_PRECISION)
+            HAS_ALIBI, EVEN_D, USE_TMA, DOT_PRECISION)
     else:
         # Consecutive programs take the group's heads for one Q block. With a right-bounded mask
         # (causal) the last Q blocks see the most keys, so they go first and the short ones fill
@@ -294,6 +302,13 @@ def _bwd_kernel(
             nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
             DOT_PRECISION)
+
+
+def tma_ok(t) -> bool:
+    """Can the copy engine (TMA) read t? 16-byte aligned base and strides, contiguous last dim."""
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
@@ -321,14 +336,18 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
            BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
 
     cfg = configs.backward_config(d, q.dtype, q.device, causal)
-    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi_slopes)
+    descs = (None, None)
+    if cfg.tma and all(tma_ok(t) for t in (q, dout)):
+        block = [1, cfg.dkdv.block_m, 1, block_d]
+        descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (q, dout))
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi_slopes, *descs)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *dk.stride(),
                *dv.stride(), *alibi_strides(alibi_slopes), h, hk, sq, sk, left or 0, right or 0,
                qk_scale, softcap, softmax_scale, d)
     flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
                  BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,
                  HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-                 EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype))
+                 EVEN_D=d == block_d, USE_TMA=descs[0] is not None, DOT_PRECISION=dot_precision(q.dtype))
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
     if cfg.fused:

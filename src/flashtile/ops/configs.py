@@ -65,6 +65,7 @@ class BackwardConfig(NamedTuple):
     dkdv: BlockConfig  # dK/dV programs: block_n keys stay put, block_m query rows stream past
     dq: BlockConfig  # dQ programs: block_m query rows stay put, block_n keys stream past
     fused: bool  # both kinds in one launch (then they share dkdv's num_warps and num_stages)
+    tma: bool = False  # dK/dV programs read Q and dO through TMA descriptors where the layout allows
 
 
 @functools.lru_cache(maxsize=None)
