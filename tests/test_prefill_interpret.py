@@ -43,12 +43,16 @@ def test_softcap_and_alibi():
     check_prefill(1, 40, 29, 2, 2, 32, torch.float16, "cpu", softcap=4.0)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "one-launch"])
-def test_backward_launch_modes(monkeypatch, fused, causal):
+def test_backward_launch_modes(monkeypatch, fused, causal, tma):
     """dK/dV and dQ programs in one grid or in two launches, with tiles that differ between them
-    (the dQ program index maps to (Q block, head of the group) behind the dK/dV programs)."""
-    cfg = configs.BackwardConfig(configs.BlockConfig(16, 32, 4, 1), configs.BlockConfig(32, 16, 4, 1), fused)
+    (the dQ program index maps to (Q block, head of the group) behind the dK/dV programs), heads
+    interleaved three at a time (4 and 3 (batch, kv head) pairs: a partial last chunk), Q and dO
+    read through pointers or TMA descriptors."""
+    cfg = configs.BackwardConfig(configs.BlockConfig(16, 32, 4, 1), configs.BlockConfig(32, 16, 4, 1), fused,
+                                 tma, head_chunk=3)
     monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
     check_prefill(2, 37, 75, 4, 2, 40, torch.float16, "cpu", causal=causal)
-    check_prefill(1, 70, 33, 3, 1, 64, torch.float32, "cpu", causal=causal)
+    check_prefill(3, 70, 33, 3, 1, 64, torch.float32, "cpu", causal=causal)

@@ -107,6 +107,24 @@ def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constex
 
 
 @triton.jit
+def head_chunked_order(n_programs, n_heads, head_chunk):
+    """(program, head) of this program of a 1D grid of n_programs x n_heads.
+
+    Launch order: the heads in chunks of head_chunk; within a chunk, program 0 of each of its heads,
+    then program 1 of each, and so on. Under a causal mask program 0 is the longest (callers order
+    them so), so a chunk runs its long programs first; with one head at a time (head_chunk = 1)
+    the long programs of the last heads would start last and leave SMs idle at the end. The chunk
+    bounds how many heads' rows stream through L2 at once.
+    """
+    lin = tl.program_id(0)
+    per_chunk = head_chunk * n_programs
+    chunk = lin // per_chunk
+    r = lin - chunk * per_chunk
+    heads_here = tl.minimum(head_chunk, n_heads - chunk * head_chunk)
+    return r // heads_here, chunk * head_chunk + r % heads_here
+
+
+@triton.jit
 def head_dim_mask(offs_d, head_dim, EVEN_D: tl.constexpr):
     """(1, BLOCK_D) mask of the real head dims. With d a power of two it is a constant, so a mask
     made of it and a row mask stays constant along each row and the loads/stores it guards are

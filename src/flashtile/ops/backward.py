@@ -28,8 +28,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_dim_mask,
-                                   in_window, kernel_scale, load_tile_pair, scores_log2, visible)
+from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_chunked_order,
+                                   head_dim_mask, in_window, kernel_scale, load_tile_pair, scores_log2, visible)
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -244,7 +244,7 @@ def _dq_program(
              dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
+@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs", "head_chunk"])
 def _bwd_kernel(
     Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -255,18 +255,18 @@ def _bwd_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h,
-    nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-    head_dim, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
+    head_dim, n_programs, head_chunk, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
     USE_TMA: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (programs, batch x kv head). With DKDV the first cdiv(sk, BLOCK_N1) programs are dK/dV
-    programs (BLOCK_N1 keys, BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group
-    are dQ programs (BLOCK_M2 rows, BLOCK_N2 keys per step) of the group's query heads."""
-    pid = tl.program_id(0)
-    bhk = tl.program_id(1)
+    """Grid (n_programs x batch x kv heads,), in the order of ops._common.head_chunked_order. With
+    DKDV the first cdiv(sk, BLOCK_N1) programs of a head are dK/dV programs (BLOCK_N1 keys,
+    BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group are dQ programs (BLOCK_M2
+    rows, BLOCK_N2 keys per step) of the group's query heads."""
+    pid, bhk = head_chunked_order(n_programs, batch * nheads_k, head_chunk)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     group = nheads // nheads_k
@@ -342,7 +342,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (q, dout))
     tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi_slopes, *descs)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *dk.stride(),
-               *dv.stride(), *alibi_strides(alibi_slopes), h, hk, sq, sk, left or 0, right or 0,
+               *dv.stride(), *alibi_strides(alibi_slopes), b, h, hk, sq, sk, left or 0, right or 0,
                qk_scale, softcap, softmax_scale, d)
     flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
                  BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,
@@ -350,12 +350,14 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
                  EVEN_D=d == block_d, USE_TMA=descs[0] is not None, DOT_PRECISION=dot_precision(q.dtype))
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
+    chunk = cfg.head_chunk if causal else 1
     if cfg.fused:
-        launch(_bwd_kernel, (kv_programs + q_programs, b * hk), tensors, scalars, cfg.dkdv.num_warps,
+        n = kv_programs + q_programs
+        launch(_bwd_kernel, (n * b * hk,), tensors, (*scalars, n, chunk), cfg.dkdv.num_warps,
                cfg.dkdv.num_stages, DKDV=True, DQ=True, **flags)
     else:
-        launch(_bwd_kernel, (kv_programs, b * hk), tensors, scalars, cfg.dkdv.num_warps,
-               cfg.dkdv.num_stages, DKDV=True, DQ=False, **flags)
-        launch(_bwd_kernel, (q_programs, b * hk), tensors, scalars, cfg.dq.num_warps,
-               cfg.dq.num_stages, DKDV=False, DQ=True, **flags)
+        launch(_bwd_kernel, (kv_programs * b * hk,), tensors, (*scalars, kv_programs, chunk),
+               cfg.dkdv.num_warps, cfg.dkdv.num_stages, DKDV=True, DQ=False, **flags)
+        launch(_bwd_kernel, (q_programs * b * hk,), tensors, (*scalars, q_programs, chunk),
+               cfg.dq.num_warps, cfg.dq.num_stages, DKDV=False, DQ=True, **flags)
     return dq, dk, dv

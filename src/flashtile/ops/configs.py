@@ -66,6 +66,7 @@ class BackwardConfig(NamedTuple):
     dq: BlockConfig  # dQ programs: block_m query rows stay put, block_n keys stream past
     fused: bool  # both kinds in one launch (then they share dkdv's num_warps and num_stages)
     tma: bool = False  # dK/dV programs read Q and dO through TMA descriptors where the layout allows
+    head_chunk: int = 1  # causal: heads interleaved in launch order (ops._common.head_chunked_order)
 
 
 @functools.lru_cache(maxsize=None)
