@@ -54,6 +54,8 @@ def compile_sm90(name: str, d: int, blocks=None):
     const.update({field: blocks[i] for field, i in fields.items()})
     const.update({n: 1 for n in names if n.startswith("stride_") and n.endswith("d")})
     tma = name.endswith("-tma")
+    if "HEAD_CHUNK" in names:
+        const["HEAD_CHUNK"] = 1
     if "USE_TMA" in names:
         const["USE_TMA"] = tma
         if not tma:

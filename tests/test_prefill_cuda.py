@@ -98,3 +98,17 @@ def test_sdpa_matches_torch():
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.double(), k[:, :, :300].double(), v[:, :, :300].double(), is_causal=causal)
         assert (ours.double() - ref).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("fused,tma,chunk", [(True, False, 1), (False, True, 3), (True, True, 16), (False, False, 4)],
+                         ids=["one-launch", "tma-chunk3", "one-launch-tma-chunk16", "chunk4"])
+def test_backward_launch_modes(monkeypatch, fused, tma, chunk):
+    """The backward's launch options that the tuned configs may not pick at these shapes."""
+    from flashtile.ops import configs
+
+    cfg = configs.BackwardConfig(configs.BlockConfig(64, 64, 4, 2), configs.BlockConfig(128, 64, 8, 2), fused,
+                                 tma, chunk)
+    monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
+    for d in (64, 96, 128):
+        check_prefill(3, 1023, 1024, 4, 2, d, torch.bfloat16, "cuda", causal=True)
+        check_prefill(2, 300, 257, 6, 1, d, torch.float16, "cuda")

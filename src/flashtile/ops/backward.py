@@ -244,7 +244,7 @@ def _dq_program(
              dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs", "head_chunk"])
+@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs"])
 def _bwd_kernel(
     Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -256,17 +256,17 @@ def _bwd_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h,
     batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-    head_dim, n_programs, head_chunk, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    head_dim, n_programs, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (n_programs x batch x kv heads,), in the order of ops._common.head_chunked_order. With
+    """Grid of n_programs x (batch x kv heads) in the order of ops._common.head_chunked_order. With
     DKDV the first cdiv(sk, BLOCK_N1) programs of a head are dK/dV programs (BLOCK_N1 keys,
     BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group are dQ programs (BLOCK_M2
     rows, BLOCK_N2 keys per step) of the group's query heads."""
-    pid, bhk = head_chunked_order(n_programs, batch * nheads_k, head_chunk)
+    pid, bhk = head_chunked_order(n_programs, batch * nheads_k, HEAD_CHUNK)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     group = nheads // nheads_k
@@ -350,14 +350,19 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
                  EVEN_D=d == block_d, USE_TMA=descs[0] is not None, DOT_PRECISION=dot_precision(q.dtype))
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
-    chunk = cfg.head_chunk if causal else 1
+    chunk = cfg.head_chunk if causal else 1  # equal-length programs need no reordering
+    flags["HEAD_CHUNK"] = chunk
+
+    def grid(n):
+        return (n, b * hk) if chunk == 1 else (n * b * hk,)
+
     if cfg.fused:
         n = kv_programs + q_programs
-        launch(_bwd_kernel, (n * b * hk,), tensors, (*scalars, n, chunk), cfg.dkdv.num_warps,
-               cfg.dkdv.num_stages, DKDV=True, DQ=True, **flags)
+        launch(_bwd_kernel, grid(n), tensors, (*scalars, n), cfg.dkdv.num_warps, cfg.dkdv.num_stages,
+               DKDV=True, DQ=True, **flags)
     else:
-        launch(_bwd_kernel, (kv_programs * b * hk,), tensors, (*scalars, kv_programs, chunk),
-               cfg.dkdv.num_warps, cfg.dkdv.num_stages, DKDV=True, DQ=False, **flags)
-        launch(_bwd_kernel, (q_programs * b * hk,), tensors, (*scalars, q_programs, chunk),
-               cfg.dq.num_warps, cfg.dq.num_stages, DKDV=False, DQ=True, **flags)
+        launch(_bwd_kernel, grid(kv_programs), tensors, (*scalars, kv_programs), cfg.dkdv.num_warps,
+               cfg.dkdv.num_stages, DKDV=True, DQ=False, **flags)
+        launch(_bwd_kernel, grid(q_programs), tensors, (*scalars, q_programs), cfg.dq.num_warps,
+               cfg.dq.num_stages, DKDV=False, DQ=True, **flags)
     return dq, dk, dv

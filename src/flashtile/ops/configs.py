@@ -66,26 +66,29 @@ class BackwardConfig(NamedTuple):
     dq: BlockConfig  # dQ programs: block_m query rows stay put, block_n keys stream past
     fused: bool  # both kinds in one launch (then they share dkdv's num_warps and num_stages)
     tma: bool = False  # dK/dV programs read Q and dO through TMA descriptors where the layout allows
-    head_chunk: int = 1  # causal: heads interleaved in launch order (ops._common.head_chunked_order)
+    head_chunk: int = 1  # causal masks: heads interleaved in launch order (ops._common.head_chunked_order)
 
 
 @functools.lru_cache(maxsize=None)
 def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BackwardConfig:
     """Tiles for ops.backward on an H100 (sm_90).
 
-    From scripts/sweep_prefill.py, bf16, seqlen 2k / 8k, device time of each launch
-    (sweep_backward_parts_d64-128_s2048-8192.json); the two launches are independent, so each
-    takes its own best tile:
+    From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_backward_*.json,
+    device time of each launch from torch.profiler); the two launches are independent, so each
+    takes its own best tile. Seqlen 2k / 8k:
     d=64 dK/dV (32, 128, 4, 3) 1.30 / 5.01 ms, causal 0.88 / 2.84; (64, 128, 8, 1) 1.70 / 6.12,
     causal 0.94 / 3.31. dQ (64, 64, 4, 3) 0.78 / 2.91, causal 0.44 / 1.48; (64, 32, 4, 3) 0.78 /
-    3.13, causal 0.43 / 1.56; (128, 64, 8, 3) causal 0.43 / 1.41.
-    d=128 dK/dV (64, 64, 4, 2) 1.22 / 4.19; causal (64, 128, 8, 1) 0.77 / 2.60, (64, 128, 8, 2)
-    0.80 / 2.44. dQ (128, 64, 8, 3) 0.76 / 2.73, causal 0.45 / 1.42; (64, 64, 4, 2) 0.79 / 2.72,
-    causal 0.44 / 1.49. Every dK/dV tile with BLOCK_N >= 64 spills at d=128 (ptxas), but the
-    spill-free BLOCK_N = 32 ones were 1.5-2.5x slower (sweep_dkdv_d64-128_s4096.json).
-    One launch for both kinds (fused) lost at every shape but d=64 causal 8k (sweep_backward_*.json:
-    e.g. d=128 2k 334 vs 341 TFLOP/s, causal 234 vs 270): one tile, warp count and stage count
-    must then suit both kinds, and the registers of the heavier kind bind both.
+    3.13; (128, 64, 8, 3) causal 0.43 / 1.41 (126 registers: two programs per SM; the chunked
+    launch order's index arithmetic took it to 136 and the launch to 0.56 / 1.84, so d=64 keeps
+    head_chunk 1). TMA for Q/dO: within noise at d=64.
+    d=128 dK/dV (64, 64, 4, 2) 1.13-1.17 / 4.13-4.19 ms, with TMA for Q and dO 1.00-1.01 / 3.71-3.72
+    (spills 104 -> 38-52 bytes); causal (64, 128, 8, 1) 0.75-0.77 / 2.47-2.60, (64, 64, 4, 2) with
+    TMA and 16 heads per launch chunk 0.68 / 2.17 (16k: 4.16 against 4.44). dQ (128, 64, 8, 3) 0.76
+    / 2.73, causal 0.44-0.45 / 1.36-1.45; (64, 64, 4, 2) 0.79 / 2.72. Every dK/dV tile with BLOCK_N
+    >= 64 spills at d=128 (ptxas), but the spill-free BLOCK_N = 32 ones were 1.5-2.5x slower.
+    One launch for both kinds (fused) lost at every shape but d=64 causal 8k (e.g. d=128 2k 334 vs
+    341 TFLOP/s, causal 234 vs 270): one tile, warp and stage count must suit both kinds, and the
+    heavier kind's registers bind both.
     d=256 (before the vectorised loads): dK/dV (32, 32, 4, 2) 167 / causal 142 TFLOP/s,
     (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
     """
@@ -100,8 +103,8 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
         dq = BlockConfig(128, 64, 8, 3) if causal else BlockConfig(64, 64, 4, 3)
         return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False)
     if bd <= 128:
-        dkdv = BlockConfig(64, 128, 8, 1) if causal else BlockConfig(64, 64, 4, 2)
-        return BackwardConfig(dkdv, BlockConfig(128, 64, 8, 3), False)
+        return BackwardConfig(BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 8, 3), False, tma=True,
+                              head_chunk=16)
     dkdv = BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
     return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 1), False)
 
