@@ -350,19 +350,16 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
                  EVEN_D=d == block_d, USE_TMA=descs[0] is not None, DOT_PRECISION=dot_precision(q.dtype))
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
-    chunk = cfg.head_chunk if causal else 1  # equal-length programs need no reordering
-    flags["HEAD_CHUNK"] = chunk
 
-    def grid(n):
-        return (n, b * hk) if chunk == 1 else (n * b * hk,)
+    def run(n, chunk, block, **parts):
+        chunk = chunk if causal else 1  # equal-length programs need no reordering
+        grid = (n, b * hk) if chunk == 1 else (n * b * hk,)
+        launch(_bwd_kernel, grid, tensors, (*scalars, n), block.num_warps, block.num_stages,
+               HEAD_CHUNK=chunk, **parts, **flags)
 
     if cfg.fused:
-        n = kv_programs + q_programs
-        launch(_bwd_kernel, grid(n), tensors, (*scalars, n), cfg.dkdv.num_warps, cfg.dkdv.num_stages,
-               DKDV=True, DQ=True, **flags)
+        run(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=True)
     else:
-        launch(_bwd_kernel, grid(kv_programs), tensors, (*scalars, kv_programs), cfg.dkdv.num_warps,
-               cfg.dkdv.num_stages, DKDV=True, DQ=False, **flags)
-        launch(_bwd_kernel, grid(q_programs), tensors, (*scalars, q_programs), cfg.dq.num_warps,
-               cfg.dq.num_stages, DKDV=False, DQ=True, **flags)
+        run(kv_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=False)
+        run(q_programs, cfg.dq_head_chunk, cfg.dq, DKDV=False, DQ=True)
     return dq, dk, dv
