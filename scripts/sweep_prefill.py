@@ -27,8 +27,9 @@ def F(m1, n1, m2, n2, warps, stages):
     return BackwardConfig(C(m1, n1, warps, stages), C(m2, n2, warps, stages), True)
 
 
-def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1):
-    return BackwardConfig(C(*dkdv), C(*dq), False, tma, chunk, dq_chunk)
+def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1, dq_tma=False):
+    return BackwardConfig(C(*dkdv), C(*dq), False, dkdv_tma=tma, dq_tma=dq_tma, head_chunk=chunk,
+                          dq_head_chunk=dq_chunk)
 
 
 CANDIDATES = {
@@ -44,13 +45,14 @@ CANDIDATES = {
     # with BLOCK_N >= 64 spill at d=128, but the spill-free BLOCK_N = 32 ones measured 1.5-2.5x
     # slower (sweep_dkdv_d64-128_s4096.json), so the lists stay near the spilling ones
     "backward": {
-        64: {False: [S((32, 128, 4, 3), (64, 64, 4, 3))],
-             True: [S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4), S((32, 128, 4, 3), (128, 64, 8, 3)),
-                    S((32, 128, 4, 3), (128, 64, 8, 3), chunk=16)]},
-        128: {False: [S((64, 64, 4, 2), (128, 64, 8, 3), True)],
+        64: {False: [S((32, 128, 4, 3), (64, 64, 4, 3)), S((32, 128, 4, 3), (64, 64, 4, 3), dq_tma=True)],
+             True: [S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4),
+                    S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4, dq_tma=True)]},
+        128: {False: [S((64, 64, 4, 2), (128, 64, 8, 3), True), S((64, 64, 4, 2), (128, 64, 8, 3), True, dq_tma=True),
+                      S((64, 64, 4, 2), (128, 64, 8, 2), True, dq_tma=True)],
               True: [S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=16, dq_chunk=16),
-                     S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=16),
-                     S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=4, dq_chunk=4)]},
+                     S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=16, dq_chunk=16, dq_tma=True),
+                     S((64, 64, 4, 2), (128, 64, 8, 2), True, chunk=16, dq_chunk=16, dq_tma=True)]},
         256: {False: [S((32, 32, 4, 2), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), S((64, 64, 8, 1), (64, 64, 8, 1)),
                       S((32, 64, 8, 1), (128, 32, 8, 1)), S((16, 64, 4, 2), (64, 32, 4, 2))],
               True: [S((64, 64, 8, 1), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), S((32, 32, 4, 2), (64, 64, 8, 1)),
@@ -127,7 +129,7 @@ def label(cfg) -> str:
         a, b = cfg.dkdv, cfg.dq
         if cfg.fused:
             return f"F({a.block_m}, {a.block_n}, {b.block_m}, {b.block_n}, {a.num_warps}, {a.num_stages})"
-        extra = ((", tma" if cfg.tma else "") + (f", chunk={cfg.head_chunk}" if cfg.head_chunk > 1 else "")
+        extra = ((", tma" if cfg.dkdv_tma else "") + (", dq_tma" if cfg.dq_tma else "") + (f", chunk={cfg.head_chunk}" if cfg.head_chunk > 1 else "")
                  + (f", dq_chunk={cfg.dq_head_chunk}" if cfg.dq_head_chunk > 1 else ""))
         return f"S({tuple(a)}, {tuple(b)}{extra})"
     return str(tuple(cfg))

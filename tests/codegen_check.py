@@ -56,8 +56,8 @@ def compile_sm90(name: str, d: int, blocks=None):
     tma = name.endswith("-tma")
     if "HEAD_CHUNK" in names:
         const["HEAD_CHUNK"] = 1
-    if "USE_TMA" in names:
-        const["USE_TMA"] = tma
+    if "DKDV_TMA" in names:
+        const.update(DKDV_TMA=tma, DQ_TMA=False, K_desc=None, V_desc=None)
         if not tma:
             const.update({n: None for n in DESCRIPTORS})
     signature, attrs = {}, {}

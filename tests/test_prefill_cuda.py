@@ -107,7 +107,7 @@ def test_backward_launch_modes(monkeypatch, fused, tma, chunk):
     from flashtile.ops import configs
 
     cfg = configs.BackwardConfig(configs.BlockConfig(64, 64, 4, 2), configs.BlockConfig(128, 64, 8, 2), fused,
-                                 tma, chunk, chunk)
+                                 dkdv_tma=tma, dq_tma=tma, head_chunk=chunk, dq_head_chunk=chunk)
     monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
     for d in (64, 96, 128):
         check_prefill(3, 1023, 1024, 4, 2, d, torch.bfloat16, "cuda", causal=True)

@@ -50,9 +50,9 @@ def test_backward_launch_modes(monkeypatch, fused, causal, tma):
     """dK/dV and dQ programs in one grid or in two launches, with tiles that differ between them
     (the dQ program index maps to (Q block, head of the group) behind the dK/dV programs), heads
     interleaved three (dK/dV) or two (dQ) at a time (4 and 3 (batch, kv head) pairs: partial last
-    chunks), Q and dO read through pointers or TMA descriptors."""
+    chunks), Q/dO and K/V read through pointers or TMA descriptors."""
     cfg = configs.BackwardConfig(configs.BlockConfig(16, 32, 4, 1), configs.BlockConfig(32, 16, 4, 1), fused,
-                                 tma, head_chunk=3, dq_head_chunk=2)
+                                 dkdv_tma=tma, dq_tma=tma, head_chunk=3, dq_head_chunk=2)
     monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
     check_prefill(2, 37, 75, 4, 2, 40, torch.float16, "cpu", causal=causal)
     check_prefill(3, 70, 33, 3, 1, 64, torch.float32, "cpu", causal=causal)

@@ -167,16 +167,21 @@ def _dkdv_program(
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left, right,
-             qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask,
-             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
+             diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs,
+             d_mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+             EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K/V block against the fixed Q block."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_kn + k_doffs
-    v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + v_doffs
-    k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
+    if USE_TMA:  # zero-filled past sk and d; keys past sk still need the mask below (P there is not 0)
+        k = k_desc.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = v_desc.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_kn + k_doffs
+        v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + v_doffs
+        k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
     s2, dcap = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
                            diag_offset, HAS_SOFTCAP, HAS_ALIBI)
@@ -191,14 +196,14 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_o
 
 @triton.jit
 def _dq_program(
-    start_m, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes,
+    start_m, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes, k_desc, v_desc,
     stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
     nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk)."""
     diag_offset = sk - sq
@@ -226,17 +231,20 @@ def _dq_program(
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
                                            HAS_LEFT, HAS_RIGHT)
     for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left,
-                      right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, BLOCK_N,
-                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
+                      diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs,
+                      v_doffs, d_mask, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT,
+                      HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left,
-                      right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, BLOCK_N,
-                      False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
+                      diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs,
+                      v_doffs, d_mask, BLOCK_N, BLOCK_D, False, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT,
+                      HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, offs_m, start_n, sk, diag_offset, left,
-                      right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, BLOCK_N,
-                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
+                      diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs,
+                      v_doffs, d_mask, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT,
+                      HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     dq = dq * softmax_scale
     tl.store(dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
@@ -246,7 +254,7 @@ def _dq_program(
 
 @triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs"])
 def _bwd_kernel(
-    Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc,
+    Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -258,7 +266,7 @@ def _bwd_kernel(
     batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
     head_dim, n_programs, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
-    USE_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr,
+    DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -284,7 +292,7 @@ def _bwd_kernel(
             stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
             stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
             softmax_scale, head_dim, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, EVEN_D, USE_TMA, DOT_PRECISION)
+            HAS_ALIBI, EVEN_D, DKDV_TMA, DOT_PRECISION)
     else:
         # Consecutive programs take the group's heads for one Q block. With a right-bounded mask
         # (causal) the last Q blocks see the most keys, so they go first and the short ones fill
@@ -295,13 +303,13 @@ def _bwd_kernel(
             pid_m = tl.cdiv(sq, BLOCK_M2) - 1 - pid_m
         h = hk * group + j % group
         _dq_program(
-            pid_m * BLOCK_M2, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes,
+            pid_m * BLOCK_M2, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes, K_desc, V_desc,
             stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
             stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
             stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
             nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
-            DOT_PRECISION)
+            DQ_TMA, DOT_PRECISION)
 
 
 def tma_ok(t) -> bool:
@@ -309,6 +317,15 @@ def tma_ok(t) -> bool:
     size = t.element_size()
     return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
             and all(st * size % 16 == 0 for st in t.stride()[:-1]))
+
+
+def _descriptors(pair, block_rows: int, block_d: int) -> tuple:
+    """TMA descriptors of a (b, s, heads, d) pair with (1, block_rows, 1, block_d) boxes, or Nones
+    when either layout does not allow TMA (then the programs load through pointers)."""
+    if not all(tma_ok(t) for t in pair):
+        return None, None
+    block = [1, block_rows, 1, block_d]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in pair)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
@@ -336,18 +353,19 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
            BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
 
     cfg = configs.backward_config(d, q.dtype, q.device, causal)
-    descs = (None, None)
-    if cfg.tma and all(tma_ok(t) for t in (q, dout)):
-        block = [1, cfg.dkdv.block_m, 1, block_d]
-        descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (q, dout))
-    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi_slopes, *descs)
+    # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
+    # programs stream Q and dO, dQ programs K and V
+    dkdv_descs = _descriptors((q, dout), cfg.dkdv.block_m, block_d) if cfg.dkdv_tma else (None, None)
+    dq_descs = _descriptors((k, v), cfg.dq.block_n, block_d) if cfg.dq_tma else (None, None)
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi_slopes, *dkdv_descs, *dq_descs)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *dk.stride(),
                *dv.stride(), *alibi_strides(alibi_slopes), b, h, hk, sq, sk, left or 0, right or 0,
                qk_scale, softcap, softmax_scale, d)
     flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
                  BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,
                  HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-                 EVEN_D=d == block_d, USE_TMA=descs[0] is not None, DOT_PRECISION=dot_precision(q.dtype))
+                 EVEN_D=d == block_d, DKDV_TMA=dkdv_descs[0] is not None, DQ_TMA=dq_descs[0] is not None,
+                 DOT_PRECISION=dot_precision(q.dtype))
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
 

@@ -65,7 +65,8 @@ class BackwardConfig(NamedTuple):
     dkdv: BlockConfig  # dK/dV programs: block_n keys stay put, block_m query rows stream past
     dq: BlockConfig  # dQ programs: block_m query rows stay put, block_n keys stream past
     fused: bool  # both kinds in one launch (then they share dkdv's num_warps and num_stages)
-    tma: bool = False  # dK/dV programs read Q and dO through TMA descriptors where the layout allows
+    dkdv_tma: bool = False  # dK/dV programs read Q and dO through TMA descriptors where the layout allows
+    dq_tma: bool = False  # dQ programs read K and V through TMA descriptors where the layout allows
     # causal masks: heads interleaved in launch order (ops._common.head_chunked_order), for the dK/dV
     # (or the one) launch and for the dQ launch
     head_chunk: int = 1
@@ -107,7 +108,7 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
         dq = BlockConfig(128, 64, 8, 3) if causal else BlockConfig(64, 64, 4, 3)
         return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False, head_chunk=4)
     if bd <= 128:
-        return BackwardConfig(BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 8, 3), False, tma=True,
+        return BackwardConfig(BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 8, 3), False, dkdv_tma=True,
                               head_chunk=16, dq_head_chunk=16)
     dkdv = BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
     return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 1), False)
