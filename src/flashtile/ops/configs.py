@@ -85,12 +85,17 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     3.13; (128, 64, 8, 3) causal 0.43 / 1.41 (126 registers: two programs per SM; the chunked
     launch order's index arithmetic took it to 136 and the launch to 0.56 / 1.84, so the dQ launch
     keeps one head at a time). Causal dK/dV in chunks of 4 heads: 0.89 / 2.67 (16k 5.18) against
-    0.87 / 2.86 (16k 5.38) one head at a time. TMA for Q/dO: within noise at d=64.
+    0.87 / 2.86 (16k 5.38) one head at a time. TMA for Q/dO: within noise at d=64; for K/V in the
+    dQ programs (dq_tma) 0.71 / 2.58 (16k 5.13) against 0.75 / 2.93 (5.85), causal 0.42 / 1.42 (2.70)
+    against 0.43 / 1.42 (2.86).
     d=128 dK/dV (64, 64, 4, 2) 1.13-1.17 / 4.13-4.19 ms, with TMA for Q and dO 1.00-1.01 / 3.71-3.72
     (spills 104 -> 38-52 bytes); causal (64, 128, 8, 1) 0.75-0.77 / 2.47-2.60, (64, 64, 4, 2) with
     TMA and 16 heads per launch chunk 0.68 / 2.17 (16k: 4.16 against 4.44). dQ (128, 64, 8, 3) 0.76
     / 2.73, causal 0.44-0.45 / 1.36-1.45; (64, 64, 4, 2) 0.79 / 2.72. Every dK/dV tile with BLOCK_N
     >= 64 spills at d=128 (ptxas), but the spill-free BLOCK_N = 32 ones were 1.5-2.5x slower.
+    dQ with TMA for K and V (dq_tma): 8k / 16k 2.46 / 4.91 ms against 2.81 / 5.59, causal 2k / 8k /
+    16k 0.40 / 1.40 / 2.56 against 0.45 / 1.51 / 3.00. (128, 64, 8, 2) with TMA crashes ptxas
+    (error -11) in triton 3.6.
     One launch for both kinds (fused) lost at every shape but d=64 causal 8k (e.g. d=128 2k 334 vs
     341 TFLOP/s, causal 234 vs 270): one tile, warp and stage count must suit both kinds, and the
     heavier kind's registers bind both.
@@ -106,10 +111,10 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
         return BackwardConfig(BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1), False)
     if bd <= 64:
         dq = BlockConfig(128, 64, 8, 3) if causal else BlockConfig(64, 64, 4, 3)
-        return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False, head_chunk=4)
+        return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False, dq_tma=True, head_chunk=4)
     if bd <= 128:
         return BackwardConfig(BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 8, 3), False, dkdv_tma=True,
-                              head_chunk=16, dq_head_chunk=16)
+                              dq_tma=True, head_chunk=16, dq_head_chunk=16)
     dkdv = BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
     return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 1), False)
 
