@@ -84,8 +84,8 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     causal 0.94 / 3.31. dQ (64, 64, 4, 3) 0.78 / 2.91, causal 0.44 / 1.48; (64, 32, 4, 3) 0.78 /
     3.13; (128, 64, 8, 3) causal 0.43 / 1.41 (126 registers: two programs per SM; the chunked
     launch order's index arithmetic took it to 136 and the launch to 0.56 / 1.84, so the dQ launch
-    keeps one head at a time). Causal dK/dV in chunks of 4 heads: 0.89 / 2.67 (16k 5.18) against
-    0.87 / 2.86 (16k 5.38) one head at a time. TMA for Q/dO: within noise at d=64; for K/V in the
+    keeps one head at a time). Causal dK/dV in chunks of 4 heads: 0.89 / 2.67-2.72 (16k 5.18-5.44)
+    against 0.87 / 2.86-2.94 (16k 5.35-5.38) one head at a time, in two sweeps. TMA for Q/dO: within noise at d=64; for K/V in the
     dQ programs (dq_tma) 0.71 / 2.58 (16k 5.13) against 0.75 / 2.93 (5.85), causal 0.42 / 1.42 (2.70)
     against 0.43 / 1.42 (2.86).
     d=128 dK/dV (64, 64, 4, 2) 1.13-1.17 / 4.13-4.19 ms, with TMA for Q and dO 1.00-1.01 / 3.71-3.72
