@@ -45,9 +45,12 @@ CANDIDATES = {
     # with BLOCK_N >= 64 spill at d=128, but the spill-free BLOCK_N = 32 ones measured 1.5-2.5x
     # slower (sweep_dkdv_d64-128_s4096.json), so the lists stay near the spilling ones
     "backward": {
-        64: {False: [S((32, 128, 4, 3), (64, 64, 4, 3)), S((32, 128, 4, 3), (64, 64, 4, 3), dq_tma=True)],
-             True: [S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4),
-                    S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4, dq_tma=True)]},
+        64: {False: [S((32, 128, 4, 3), (64, 64, 4, 3), dq_tma=True)],
+             True: [S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4, dq_tma=True),
+                    S((32, 128, 4, 3), (64, 64, 4, 3), chunk=4, dq_tma=True),
+                    S((32, 128, 4, 3), (64, 64, 4, 3), chunk=4, dq_chunk=4, dq_tma=True),
+                    S((32, 128, 4, 3), (128, 64, 8, 3), dq_tma=True),
+                    S((32, 128, 4, 3), (128, 32, 4, 3), chunk=4, dq_tma=True)]},
         128: {False: [S((64, 64, 4, 2), (128, 64, 8, 3), True), S((64, 64, 4, 2), (128, 64, 8, 3), True, dq_tma=True),
                       S((64, 64, 4, 2), (128, 64, 8, 2), True, dq_tma=True)],
               True: [S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=16, dq_chunk=16),
