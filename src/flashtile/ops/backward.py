@@ -313,10 +313,11 @@ def _bwd_kernel(
 
 
 def tma_ok(t) -> bool:
-    """Can the copy engine (TMA) read t? 16-byte aligned base and strides, contiguous last dim."""
+    """Can the copy engine (TMA) read t? Non-empty, 16-byte aligned base, positive 16-byte aligned
+    strides, contiguous last dim (an expanded gradient, with 0 strides, takes the pointer path)."""
     size = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
+    return (t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
 def _descriptors(pair, block_rows: int, block_d: int) -> tuple:
