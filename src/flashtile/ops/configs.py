@@ -96,9 +96,9 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     dQ with TMA for K and V (dq_tma): 8k / 16k 2.46 / 4.91 ms against 2.81 / 5.59, causal 2k / 8k /
     16k 0.40 / 1.40 / 2.56 against 0.45 / 1.51 / 3.00. (128, 64, 8, 2) with TMA crashes ptxas
     (error -11) in triton 3.6.
-    One launch for both kinds (fused) lost at every shape but d=64 causal 8k (e.g. d=128 2k 334 vs
-    341 TFLOP/s, causal 234 vs 270): one tile, warp and stage count must suit both kinds, and the
-    heavier kind's registers bind both.
+    One launch for both kinds (fused) was slower or within noise at every shape but d=64 causal 8k
+    (d=64 2k 272 vs 323 TFLOP/s; d=128 2k 342 vs 341, causal 265 vs 270): one tile, warp and stage
+    count must suit both kinds, and the heavier kind's registers bind both.
     d=256 (before the vectorised loads): dK/dV (32, 32, 4, 2) 167 / causal 142 TFLOP/s,
     (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
     """
