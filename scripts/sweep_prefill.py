@@ -27,9 +27,14 @@ def F(m1, n1, m2, n2, warps, stages):
     return BackwardConfig(C(m1, n1, warps, stages), C(m2, n2, warps, stages), True)
 
 
-def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1, dq_tma=False):
+def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1, dq_tma=False, dq_first=False, pdl=False):
     return BackwardConfig(C(*dkdv), C(*dq), False, dkdv_tma=tma, dq_tma=dq_tma, head_chunk=chunk,
-                          dq_head_chunk=dq_chunk)
+                          dq_head_chunk=dq_chunk, dq_first=dq_first, pdl=pdl)
+
+
+def variants(cfg):
+    """cfg with the dQ launch first (computing delta), without and with PDL for the dK/dV launch."""
+    return [cfg._replace(dq_first=True), cfg._replace(dq_first=True, pdl=True)]
 
 
 CANDIDATES = {
@@ -45,17 +50,10 @@ CANDIDATES = {
     # with BLOCK_N >= 64 spill at d=128, but the spill-free BLOCK_N = 32 ones measured 1.5-2.5x
     # slower (sweep_dkdv_d64-128_s4096.json), so the lists stay near the spilling ones
     "backward": {
-        64: {False: [S((32, 128, 4, 3), (64, 64, 4, 3), dq_tma=True)],
-             True: [S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4, dq_tma=True),
-                    S((32, 128, 4, 3), (64, 64, 4, 3), chunk=4, dq_tma=True),
-                    S((32, 128, 4, 3), (64, 64, 4, 3), chunk=4, dq_chunk=4, dq_tma=True),
-                    S((32, 128, 4, 3), (128, 64, 8, 3), dq_tma=True),
-                    S((32, 128, 4, 3), (128, 32, 4, 3), chunk=4, dq_tma=True)]},
-        128: {False: [S((64, 64, 4, 2), (128, 64, 8, 3), True), S((64, 64, 4, 2), (128, 64, 8, 3), True, dq_tma=True),
-                      S((64, 64, 4, 2), (128, 64, 8, 2), True, dq_tma=True)],
-              True: [S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=16, dq_chunk=16),
-                     S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=16, dq_chunk=16, dq_tma=True),
-                     S((64, 64, 4, 2), (128, 64, 8, 2), True, chunk=16, dq_chunk=16, dq_tma=True)]},
+        64: {False: variants(S((32, 128, 4, 3), (64, 64, 4, 3), dq_tma=True)),
+             True: variants(S((32, 128, 4, 3), (128, 64, 8, 3), chunk=4, dq_tma=True))},
+        128: {False: variants(S((64, 64, 4, 2), (128, 64, 8, 3), True, dq_tma=True)),
+              True: variants(S((64, 64, 4, 2), (128, 64, 8, 3), True, chunk=16, dq_chunk=16, dq_tma=True))},
         256: {False: [S((32, 32, 4, 2), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), S((64, 64, 8, 1), (64, 64, 8, 1)),
                       S((32, 64, 8, 1), (128, 32, 8, 1)), S((16, 64, 4, 2), (64, 32, 4, 2))],
               True: [S((64, 64, 8, 1), (64, 32, 4, 1)), F(32, 32, 64, 32, 4, 2), S((32, 32, 4, 2), (64, 64, 8, 1)),
@@ -72,7 +70,8 @@ def candidates(kernel, d, causal):
 
 def launch_times(fn, reps: int = 10) -> list:
     """Device milliseconds of each kernel launch that fn() makes, in launch order (medians over
-    reps), from torch.profiler: the backward's delta, dK/dV and dQ launches (or delta and one)."""
+    reps), from torch.profiler: the backward's delta, dK/dV and dQ launches (or delta and one, or
+    dQ then dK/dV)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -133,7 +132,8 @@ def label(cfg) -> str:
         if cfg.fused:
             return f"F({a.block_m}, {a.block_n}, {b.block_m}, {b.block_n}, {a.num_warps}, {a.num_stages})"
         extra = ((", tma" if cfg.dkdv_tma else "") + (", dq_tma" if cfg.dq_tma else "") + (f", chunk={cfg.head_chunk}" if cfg.head_chunk > 1 else "")
-                 + (f", dq_chunk={cfg.dq_head_chunk}" if cfg.dq_head_chunk > 1 else ""))
+                 + (f", dq_chunk={cfg.dq_head_chunk}" if cfg.dq_head_chunk > 1 else "")
+                 + (", dq_first" if cfg.dq_first else "") + (", pdl" if cfg.pdl else ""))
         return f"S({tuple(a)}, {tuple(b)}{extra})"
     return str(tuple(cfg))
 

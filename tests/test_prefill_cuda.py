@@ -100,14 +100,25 @@ def test_sdpa_matches_torch():
         assert (ours.double() - ref).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("fused,tma,chunk", [(True, False, 1), (False, True, 3), (True, True, 16), (False, False, 4)],
-                         ids=["one-launch", "tma-chunk3", "one-launch-tma-chunk16", "chunk4"])
-def test_backward_launch_modes(monkeypatch, fused, tma, chunk):
+LAUNCH_MODES = {  # fused, tma, head chunk, dq_first, pdl
+    "one-launch": (True, False, 1, False, False),
+    "tma-chunk3": (False, True, 3, False, False),
+    "one-launch-tma-chunk16": (True, True, 16, False, False),
+    "chunk4": (False, False, 4, False, False),
+    "dq-first": (False, True, 1, True, False),
+    "dq-first-pdl-chunk4": (False, False, 4, True, True),
+}
+
+
+@pytest.mark.parametrize("mode", LAUNCH_MODES.values(), ids=LAUNCH_MODES.keys())
+def test_backward_launch_modes(monkeypatch, mode):
     """The backward's launch options that the tuned configs may not pick at these shapes."""
     from flashtile.ops import configs
 
+    fused, tma, chunk, dq_first, pdl = mode
     cfg = configs.BackwardConfig(configs.BlockConfig(64, 64, 4, 2), configs.BlockConfig(128, 64, 8, 2), fused,
-                                 dkdv_tma=tma, dq_tma=tma, head_chunk=chunk, dq_head_chunk=chunk)
+                                 dkdv_tma=tma, dq_tma=tma, head_chunk=chunk, dq_head_chunk=chunk,
+                                 dq_first=dq_first, pdl=pdl)
     monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
     for d in (64, 96, 128):
         check_prefill(3, 1023, 1024, 4, 2, d, torch.bfloat16, "cuda", causal=True)

@@ -49,25 +49,29 @@ def _tensor_key(t):
     return (t.dtype, t.data_ptr() % 16 == 0)
 
 
-def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int, **constexprs):
+def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
+           launch_pdl: bool = False, **constexprs):
     """kernel[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...), cached.
 
     tensors: the kernel's leading pointer arguments (None for an absent optional tensor), scalars:
     the int/float arguments after them, in signature order; every constexpr by keyword. Each call
     site passes the same Python type at each position (an int never becomes a float or a bool).
+    launch_pdl: launch as a programmatic dependent of the previous kernel in the stream (sm_90+;
+    the kernel must gdc_wait before it reads what that kernel writes).
     """
     hooks = triton.knobs.runtime
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
     if not tensors[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-        return kernel[grid](*tensors, *scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return kernel[grid](*tensors, *scalars, **constexprs, **options)
     device = tensors[0].get_device()
-    key = (device, num_warps, num_stages, scalars, tuple(constexprs.items()),
+    key = (device, num_warps, num_stages, launch_pdl, scalars, tuple(constexprs.items()),
            tuple(_tensor_key(t) for t in tensors))
     cache = kernel.__dict__.get("_flashtile_launches")  # {key: (compiled, constexprs in signature order)}
     if cache is None:
         cache = kernel._flashtile_launches = {}
     hit = cache.get(key)
     if hit is None:
-        compiled = kernel[grid](*tensors, *scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
         if isinstance(compiled, triton.compiler.CompiledKernel):
             names = [p.name for p in kernel.params]
             tail = names[len(tensors) + len(scalars):]

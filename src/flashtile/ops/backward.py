@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
@@ -53,16 +54,23 @@ def _delta_kernel(Out, dOut, Delta, stride_ob, stride_om, stride_oh, stride_od,
 
 
 @triton.jit
-def _load_rows(Lse, Delta, offs, n, MASKED: tl.constexpr):
-    """LSE in the log2 domain and delta of the rows offs. Rows that saw no key (LSE -inf) get
-    +inf so P = 0 there; outside the masked phases every row is in bounds and saw this block's
-    keys, so neither the bounds check nor the fix-up is needed."""
+def _load_lse2(Lse, offs, n, MASKED: tl.constexpr):
+    """LSE of the rows offs in the log2 domain. Rows that saw no key (LSE -inf) get +inf so P = 0
+    there; outside the masked phases every row is in bounds and saw this block's keys, so neither
+    the bounds check nor the fix-up is needed."""
     if MASKED:
         lse = tl.load(Lse + offs, mask=offs < n, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return tl.load(Lse + offs) * LOG2E
+
+
+@triton.jit
+def _load_rows(Lse, Delta, offs, n, MASKED: tl.constexpr):
+    """LSE (log2 domain, as _load_lse2) and delta of the rows offs."""
+    lse2 = _load_lse2(Lse, offs, n, MASKED)
+    if MASKED:
         delta = tl.load(Delta + offs, mask=offs < n, other=0.0)
     else:
-        lse2 = tl.load(Lse + offs) * LOG2E
         delta = tl.load(Delta + offs)
     return lse2, delta
 
@@ -110,8 +118,12 @@ def _dkdv_program(
     softmax_scale, head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """dK, dV of keys [start_n, start_n + BLOCK_N) of K/V head hk, summed over its query heads."""
+    """dK, dV of keys [start_n, start_n + BLOCK_N) of K/V head hk, summed over its query heads.
+
+    PDL: launched as a programmatic dependent of the dQ launch that writes Delta; K and V are
+    loaded while that launch drains, and gdc_wait holds the loop until its writes are visible."""
     diag_offset = sk - sq
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -125,6 +137,8 @@ def _dkdv_program(
                 mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if PDL:
+        gdc_wait()
     q_doffs = offs_d[None, :] * stride_qd
     do_doffs = offs_d[None, :] * stride_dod
 
@@ -196,16 +210,21 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs
 
 @triton.jit
 def _dq_program(
-    start_m, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes, k_desc, v_desc,
+    start_m, b, h, hk, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, k_desc, v_desc,
     stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_ob, stride_om, stride_oh, stride_od,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
     nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_DELTA: tl.constexpr,
 ):
-    """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk)."""
+    """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk).
+
+    WRITE_DELTA: these rows' delta = rowsum(dO * O) is computed here (from the dO tile the program
+    loads anyway) and stored for the dK/dV launch that follows, instead of read from Delta."""
     diag_offset = sk - sq
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -218,7 +237,15 @@ def _dq_program(
                  + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod,
                  mask=row_mask, other=0.0)
     row_base = (b * nheads + h).to(tl.int64) * sq
-    lse2, delta = _load_rows(Lse + row_base, Delta + row_base, offs_m, sq, True)
+    if WRITE_DELTA:
+        o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                    + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
+                    mask=row_mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(Delta + row_base + offs_m, delta, mask=offs_m < sq)
+        lse2 = _load_lse2(Lse + row_base, offs_m, sq, True)
+    else:
+        lse2, delta = _load_rows(Lse + row_base, Delta + row_base, offs_m, sq, True)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
@@ -254,11 +281,12 @@ def _dq_program(
 
 @triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs"])
 def _bwd_kernel(
-    Q, K, V, dO, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
+    Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_ob, stride_om, stride_oh, stride_od,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
@@ -266,14 +294,17 @@ def _bwd_kernel(
     batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
     head_dim, n_programs, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
-    DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr, WRITE_DELTA: tl.constexpr,
+    PDL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid of n_programs x (batch x kv heads) in the order of ops._common.head_chunked_order. With
     DKDV the first cdiv(sk, BLOCK_N1) programs of a head are dK/dV programs (BLOCK_N1 keys,
     BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group are dQ programs (BLOCK_M2
-    rows, BLOCK_N2 keys per step) of the group's query heads."""
+    rows, BLOCK_N2 keys per step) of the group's query heads. WRITE_DELTA (a dQ launch): the dQ
+    programs compute delta and store it for the dK/dV launch after them. PDL: a dQ launch lets the
+    next launch start as its last programs run; a dK/dV launch waits for the previous one's writes
+    (gdc_wait) only after loading K and V."""
     pid, bhk = head_chunked_order(n_programs, batch * nheads_k, HEAD_CHUNK)
     b = bhk // nheads_k
     hk = bhk % nheads_k
@@ -292,24 +323,27 @@ def _bwd_kernel(
             stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
             stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
             softmax_scale, head_dim, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, EVEN_D, DKDV_TMA, DOT_PRECISION)
+            HAS_ALIBI, EVEN_D, DKDV_TMA, DOT_PRECISION, PDL)
     else:
         # Consecutive programs take the group's heads for one Q block. With a right-bounded mask
         # (causal) the last Q blocks see the most keys, so they go first and the short ones fill
         # the tail.
+        if PDL:
+            gdc_launch_dependents()
         j = pid - first_dq
         pid_m = j // group
         if HAS_RIGHT:
             pid_m = tl.cdiv(sq, BLOCK_M2) - 1 - pid_m
         h = hk * group + j % group
         _dq_program(
-            pid_m * BLOCK_M2, b, h, hk, Q, K, V, dO, Lse, Delta, dQ, Slopes, K_desc, V_desc,
+            pid_m * BLOCK_M2, b, h, hk, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, K_desc, V_desc,
             stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
             stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+            stride_ob, stride_om, stride_oh, stride_od,
             stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
             nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
-            DQ_TMA, DOT_PRECISION)
+            DQ_TMA, DOT_PRECISION, WRITE_DELTA)
 
 
 def tma_ok(t) -> bool:
@@ -347,19 +381,21 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
 
-    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    pre = configs.delta_config(d, q.device)
-    launch(_delta_kernel, (cdiv(sq, pre.block_m), b * h), (out, dout, delta),
-           (*out.stride(), *dout.stride(), h, sq, d), pre.num_warps, pre.num_stages,
-           BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
-
     cfg = configs.backward_config(d, q.dtype, q.device, causal)
+    dq_first = cfg.dq_first and not cfg.fused
+    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if not dq_first:
+        pre = configs.delta_config(d, q.device)
+        launch(_delta_kernel, (cdiv(sq, pre.block_m), b * h), (out, dout, delta),
+               (*out.stride(), *dout.stride(), h, sq, d), pre.num_warps, pre.num_stages,
+               BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
+
     # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
     # programs stream Q and dO, dQ programs K and V
     dkdv_descs = _descriptors((q, dout), cfg.dkdv.block_m, block_d) if cfg.dkdv_tma else (None, None)
     dq_descs = _descriptors((k, v), cfg.dq.block_n, block_d) if cfg.dq_tma else (None, None)
-    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi_slopes, *dkdv_descs, *dq_descs)
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *dk.stride(),
+    tensors = (q, k, v, dout, out, lse, delta, dq, dk, dv, alibi_slopes, *dkdv_descs, *dq_descs)
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *out.stride(), *dq.stride(), *dk.stride(),
                *dv.stride(), *alibi_strides(alibi_slopes), b, h, hk, sq, sk, left or 0, right or 0,
                qk_scale, softcap, softmax_scale, d)
     flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
@@ -370,15 +406,18 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
 
-    def run(n, chunk, block, **parts):
+    def run(n, chunk, block, pdl=False, **parts):
         chunk = chunk if causal else 1  # equal-length programs need no reordering
         grid = (n, b * hk) if chunk == 1 else (n * b * hk,)
         launch(_bwd_kernel, grid, tensors, (*scalars, n), block.num_warps, block.num_stages,
-               HEAD_CHUNK=chunk, **parts, **flags)
+               launch_pdl=pdl and parts["DKDV"], HEAD_CHUNK=chunk, PDL=pdl, **parts, **flags)
 
     if cfg.fused:
-        run(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=True)
+        run(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=True, WRITE_DELTA=False)
+    elif dq_first:
+        run(q_programs, cfg.dq_head_chunk, cfg.dq, cfg.pdl, DKDV=False, DQ=True, WRITE_DELTA=True)
+        run(kv_programs, cfg.head_chunk, cfg.dkdv, cfg.pdl, DKDV=True, DQ=False, WRITE_DELTA=False)
     else:
-        run(kv_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=False)
-        run(q_programs, cfg.dq_head_chunk, cfg.dq, DKDV=False, DQ=True)
+        run(kv_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=False, WRITE_DELTA=False)
+        run(q_programs, cfg.dq_head_chunk, cfg.dq, DKDV=False, DQ=True, WRITE_DELTA=False)
     return dq, dk, dv

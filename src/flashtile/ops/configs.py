@@ -71,6 +71,11 @@ class BackwardConfig(NamedTuple):
     # (or the one) launch and for the dQ launch
     head_chunk: int = 1
     dq_head_chunk: int = 1
+    # two launches: the dQ launch first, computing delta = rowsum(dO * O) for the dK/dV launch
+    # (else a separate delta launch, then dK/dV, then dQ)
+    dq_first: bool = False
+    # with dq_first: the dK/dV launch is a programmatic dependent launch (sm_90+) of the dQ launch
+    pdl: bool = False
 
 
 @functools.lru_cache(maxsize=None)
