@@ -27,14 +27,14 @@ def F(m1, n1, m2, n2, warps, stages):
     return BackwardConfig(C(m1, n1, warps, stages), C(m2, n2, warps, stages), True)
 
 
-def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1, dq_tma=False, dq_first=False, pdl=False):
+def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1, dq_tma=False, pdl=False):
     return BackwardConfig(C(*dkdv), C(*dq), False, dkdv_tma=tma, dq_tma=dq_tma, head_chunk=chunk,
-                          dq_head_chunk=dq_chunk, dq_first=dq_first, pdl=pdl)
+                          dq_head_chunk=dq_chunk, pdl=pdl)
 
 
 def variants(cfg):
-    """cfg with the dQ launch first (computing delta), without and with PDL for the dK/dV launch."""
-    return [cfg._replace(dq_first=True), cfg._replace(dq_first=True, pdl=True)]
+    """cfg without and with PDL for the dK/dV launch."""
+    return [cfg, cfg._replace(pdl=True)]
 
 
 CANDIDATES = {
@@ -70,8 +70,7 @@ def candidates(kernel, d, causal):
 
 def launch_times(fn, reps: int = 10) -> list:
     """Device milliseconds of each kernel launch that fn() makes, in launch order (medians over
-    reps), from torch.profiler: the backward's delta, dK/dV and dQ launches (or delta and one, or
-    dQ then dK/dV)."""
+    reps), from torch.profiler: the backward's dQ and dK/dV launches (or delta and one)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -133,7 +132,7 @@ def label(cfg) -> str:
             return f"F({a.block_m}, {a.block_n}, {b.block_m}, {b.block_n}, {a.num_warps}, {a.num_stages})"
         extra = ((", tma" if cfg.dkdv_tma else "") + (", dq_tma" if cfg.dq_tma else "") + (f", chunk={cfg.head_chunk}" if cfg.head_chunk > 1 else "")
                  + (f", dq_chunk={cfg.dq_head_chunk}" if cfg.dq_head_chunk > 1 else "")
-                 + (", dq_first" if cfg.dq_first else "") + (", pdl" if cfg.pdl else ""))
+                 + (", pdl" if cfg.pdl else ""))
         return f"S({tuple(a)}, {tuple(b)}{extra})"
     return str(tuple(cfg))
 

@@ -3,7 +3,7 @@
     python tests/codegen_check.py KERNEL D [BLOCKS]    (prints JSON)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
-computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
+computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
 or dQ, 32,128,128,32,4,3 (dK/dV rows and keys, dQ rows and keys, warps, stages) for the backward.
 With --regs it also reports registers and spill bytes per thread from ptxas -v.
 
@@ -36,11 +36,12 @@ KERNELS = {  # kernel, default tiles, the names they set
                  dict(BLOCK_M1=0, BLOCK_N1=1, BLOCK_M2=2, BLOCK_N2=3)),
 }
 KERNELS["dkdv-tma"] = KERNELS["dkdv-pdl"] = KERNELS["dkdv"]
+KERNELS["backward-tma"] = KERNELS["backward"]
 KERNELS["dq-delta"] = KERNELS["dq-tma"] = KERNELS["dq"]
 PARTS = {"dkdv": dict(DKDV=True, DQ=False), "dq": dict(DKDV=False, DQ=True),
          "backward": dict(DKDV=True, DQ=True), "forward": {}, "dkdv-tma": dict(DKDV=True, DQ=False),
          "dkdv-pdl": dict(DKDV=True, DQ=False, PDL=True), "dq-delta": dict(DKDV=False, DQ=True, WRITE_DELTA=True),
-         "dq-tma": dict(DKDV=False, DQ=True)}
+         "dq-tma": dict(DKDV=False, DQ=True), "backward-tma": dict(DKDV=True, DQ=True)}
 DESCRIPTORS = ("Q_desc", "dO_desc", "K_desc", "V_desc")
 FP32_POINTERS = ("Lse", "Delta")
 FLOATS = ("qk_scale", "softcap", "softmax_scale")
@@ -63,10 +64,11 @@ def compile_sm90(name: str, d: int, blocks=None):
         const.setdefault("PDL", False)
     descriptors = {}  # the descriptors this kind reads, and their box rows
     if "DKDV_TMA" in names:
-        if tma:
-            rows = const["BLOCK_M1"] if const["DKDV"] else const["BLOCK_N2"]
-            descriptors = dict.fromkeys(("Q_desc", "dO_desc") if const["DKDV"] else ("K_desc", "V_desc"), rows)
-        const.update(DKDV_TMA=tma and const["DKDV"], DQ_TMA=tma and not const["DKDV"])
+        if tma and const["DKDV"]:
+            descriptors.update(dict.fromkeys(("Q_desc", "dO_desc"), const["BLOCK_M1"]))
+        if tma and const["DQ"]:
+            descriptors.update(dict.fromkeys(("K_desc", "V_desc"), const["BLOCK_N2"]))
+        const.update(DKDV_TMA=tma and const["DKDV"], DQ_TMA=tma and const["DQ"])
         const.update({n: None for n in DESCRIPTORS if n not in descriptors})
     signature, attrs = {}, {}
     for i, pname in enumerate(names):

@@ -100,25 +100,24 @@ def test_sdpa_matches_torch():
         assert (ours.double() - ref).abs().max() < 2e-2
 
 
-LAUNCH_MODES = {  # fused, tma, head chunk, dq_first, pdl
-    "one-launch": (True, False, 1, False, False),
-    "tma-chunk3": (False, True, 3, False, False),
-    "one-launch-tma-chunk16": (True, True, 16, False, False),
-    "chunk4": (False, False, 4, False, False),
-    "dq-first": (False, True, 1, True, False),
-    "dq-first-pdl-chunk4": (False, False, 4, True, True),
+LAUNCH_MODES = {  # fused, tma, head chunk, pdl
+    "one-launch": (True, False, 1, False),
+    "tma-chunk3": (False, True, 3, False),
+    "one-launch-tma-chunk16": (True, True, 16, False),
+    "pdl-chunk4": (False, False, 4, True),
 }
 
 
 @pytest.mark.parametrize("mode", LAUNCH_MODES.values(), ids=LAUNCH_MODES.keys())
 def test_backward_launch_modes(monkeypatch, mode):
-    """The backward's launch options that the tuned configs may not pick at these shapes."""
+    """The backward's launch options that the tuned configs may not pick at these shapes. (The dQ
+    program with TMA at 2 stages crashes ptxas 3.6, so TMA modes take 3.)"""
     from flashtile.ops import configs
 
-    fused, tma, chunk, dq_first, pdl = mode
-    cfg = configs.BackwardConfig(configs.BlockConfig(64, 64, 4, 2), configs.BlockConfig(128, 64, 8, 2), fused,
-                                 dkdv_tma=tma, dq_tma=tma, head_chunk=chunk, dq_head_chunk=chunk,
-                                 dq_first=dq_first, pdl=pdl)
+    fused, tma, chunk, pdl = mode
+    stages = 3 if tma else 2
+    cfg = configs.BackwardConfig(configs.BlockConfig(64, 64, 4, stages), configs.BlockConfig(128, 64, 8, stages),
+                                 fused, dkdv_tma=tma, dq_tma=tma, head_chunk=chunk, dq_head_chunk=chunk, pdl=pdl)
     monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
     for d in (64, 96, 128):
         check_prefill(3, 1023, 1024, 4, 2, d, torch.bfloat16, "cuda", causal=True)

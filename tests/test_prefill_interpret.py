@@ -45,16 +45,15 @@ def test_softcap_and_alibi():
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("mode", ["two-launches", "dq-first", "one-launch"])
-def test_backward_launch_modes(monkeypatch, mode, causal, tma):
-    """dK/dV and dQ programs in one grid or in two launches (dK/dV after a delta launch, or after
-    the dQ launch that computes delta), with tiles that differ between them (the dQ program index
-    maps to (Q block, head of the group) behind the dK/dV programs), heads interleaved three (dK/dV)
-    or two (dQ) at a time (4 and 3 (batch, kv head) pairs: partial last chunks), Q/dO and K/V read
-    through pointers or TMA descriptors."""
-    cfg = configs.BackwardConfig(configs.BlockConfig(16, 32, 4, 1), configs.BlockConfig(32, 16, 4, 1),
-                                 mode == "one-launch", dkdv_tma=tma, dq_tma=tma, head_chunk=3, dq_head_chunk=2,
-                                 dq_first=mode == "dq-first")
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "one-launch"])
+def test_backward_launch_modes(monkeypatch, fused, causal, tma):
+    """dK/dV and dQ programs in one grid (after a delta launch) or in two launches (dQ, computing
+    delta, then dK/dV), with tiles that differ between them (the dQ program index maps to (Q block,
+    head of the group) behind the dK/dV programs), heads interleaved three (dK/dV) or two (dQ) at a
+    time (4 and 3 (batch, kv head) pairs: partial last chunks), Q/dO and K/V read through pointers
+    or TMA descriptors."""
+    cfg = configs.BackwardConfig(configs.BlockConfig(16, 32, 4, 1), configs.BlockConfig(32, 16, 4, 1), fused,
+                                 dkdv_tma=tma, dq_tma=tma, head_chunk=3, dq_head_chunk=2)
     monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
     check_prefill(2, 37, 75, 4, 2, 40, torch.float16, "cpu", causal=causal)
     check_prefill(3, 70, 33, 3, 1, 64, torch.float32, "cpu", causal=causal)

@@ -1,15 +1,16 @@
 """FA2-style backward: recompute P from the saved LSE.
 
-Launches:
-  1. delta = rowsum(dO * O)                                   (b, h, sq), the FA2 preprocess
-  2. one grid of two kinds of programs (_bwd_kernel), or each kind in its own launch
-     (configs.backward_config decides, from measurements):
-     - dK, dV: one program per (K/V block, batch x kv head); it loops over the query heads of its
-       GQA group and over their Q blocks, so the group reduction happens in registers.
-     - dQ: one program per (Q block, query head) looping over K/V blocks, recomputing P and dP
-       (7 matmuls per block pair in all, no atomics, bitwise reproducible).
-     In the one-launch grid the dK/dV programs come first (the longest), then the dQ programs; both
-     kinds run on the SMs at the same time, and only one tail is left at the end.
+Two kinds of programs (_bwd_kernel), in two launches (configs.backward_config decides, from
+measurements; each launch has its own tile, warps and stages):
+  1. dQ: one program per (Q block, query head) looping over K/V blocks, recomputing P and dP
+     (7 matmuls per block pair in all, no atomics, bitwise reproducible). On the way it computes
+     its rows' delta = rowsum(dO * O) (the FA2 preprocess) from the dO tile it loads anyway.
+  2. dK, dV: one program per (K/V block, batch x kv head), reading that delta; it loops over the
+     query heads of its GQA group and over their Q blocks, so the group reduction happens in
+     registers. On sm_90 it is a programmatic dependent launch: its programs load K and V while
+     the dQ launch's last programs run, and wait for its writes (gdc_wait) only then.
+Or both kinds in one grid after a delta launch (_delta_kernel): the dK/dV programs first (the
+longest), then the dQ programs, all on the SMs at once with one tail at the end.
 FA2 instead adds dS K into an fp32 dQ with atomics inside the dK/dV loop (5 matmuls per block
 pair). That path was built and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256): 6-20%
 slower for the whole backward than the dQ programs at every shape, so it was removed
@@ -382,9 +383,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     left, right = window
 
     cfg = configs.backward_config(d, q.dtype, q.device, causal)
-    dq_first = cfg.dq_first and not cfg.fused
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if not dq_first:
+    if cfg.fused:  # both kinds of programs read delta at once: computed first
         pre = configs.delta_config(d, q.device)
         launch(_delta_kernel, (cdiv(sq, pre.block_m), b * h), (out, dout, delta),
                (*out.stride(), *dout.stride(), h, sq, d), pre.num_warps, pre.num_stages,
@@ -414,10 +414,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 
     if cfg.fused:
         run(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=True, WRITE_DELTA=False)
-    elif dq_first:
+    else:  # the dQ programs compute delta on the way, for the dK/dV launch
         run(q_programs, cfg.dq_head_chunk, cfg.dq, cfg.pdl, DKDV=False, DQ=True, WRITE_DELTA=True)
         run(kv_programs, cfg.head_chunk, cfg.dkdv, cfg.pdl, DKDV=True, DQ=False, WRITE_DELTA=False)
-    else:
-        run(kv_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=False, WRITE_DELTA=False)
-        run(q_programs, cfg.dq_head_chunk, cfg.dq, DKDV=False, DQ=True, WRITE_DELTA=False)
     return dq, dk, dv

@@ -64,17 +64,16 @@ def delta_config(d: int, device: torch.device) -> BlockConfig:
 class BackwardConfig(NamedTuple):
     dkdv: BlockConfig  # dK/dV programs: block_n keys stay put, block_m query rows stream past
     dq: BlockConfig  # dQ programs: block_m query rows stay put, block_n keys stream past
-    fused: bool  # both kinds in one launch (then they share dkdv's num_warps and num_stages)
+    # both kinds in one launch after a delta launch (sharing dkdv's num_warps and num_stages), or
+    # the dQ launch (which computes delta) and then the dK/dV launch
+    fused: bool
     dkdv_tma: bool = False  # dK/dV programs read Q and dO through TMA descriptors where the layout allows
     dq_tma: bool = False  # dQ programs read K and V through TMA descriptors where the layout allows
     # causal masks: heads interleaved in launch order (ops._common.head_chunked_order), for the dK/dV
     # (or the one) launch and for the dQ launch
     head_chunk: int = 1
     dq_head_chunk: int = 1
-    # two launches: the dQ launch first, computing delta = rowsum(dO * O) for the dK/dV launch
-    # (else a separate delta launch, then dK/dV, then dQ)
-    dq_first: bool = False
-    # with dq_first: the dK/dV launch is a programmatic dependent launch (sm_90+) of the dQ launch
+    # two launches: the dK/dV launch is a programmatic dependent launch (sm_90+) of the dQ launch
     pdl: bool = False
 
 
@@ -99,8 +98,13 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     / 2.73, causal 0.44-0.45 / 1.36-1.45; (64, 64, 4, 2) 0.79 / 2.72. Every dK/dV tile with BLOCK_N
     >= 64 spills at d=128 (ptxas), but the spill-free BLOCK_N = 32 ones were 1.5-2.5x slower.
     dQ with TMA for K and V (dq_tma): 8k / 16k 2.46 / 4.91 ms against 2.81 / 5.59, causal 2k / 8k /
-    16k 0.40 / 1.40 / 2.56 against 0.45 / 1.51 / 3.00. (128, 64, 8, 2) with TMA crashes ptxas
-    (error -11) in triton 3.6.
+    16k 0.40 / 1.40 / 2.56 against 0.45 / 1.51 / 3.00. dQ with TMA at 2 stages crashes ptxas
+    (SIGSEGV) in triton 3.6: (128, 64, 8, 2) on the H100, every 2-stage tile tried offline.
+    The dQ launch first, computing delta on the way (no delta launch; sweep_backward_dqfirst_*.json),
+    against delta, dK/dV, dQ launches: causal d=64 2k / 4k / 8k 256 -> 264 / 280 -> 289 / 315 -> 323
+    TFLOP/s, d=128 302 -> 310 / 318 -> 335 / 361 -> 373; non-causal within noise (8k: -2 to +2%).
+    PDL for the dK/dV launch after it (K/V loads overlap the dQ launch's tail, no launch gap), two
+    sweeps: d=64 causal 2k +0.3 / +0.9%, 4k +1.7 / +1.0%; elsewhere -5% to +6%, no sign.
     One launch for both kinds (fused) was slower or within noise at every shape but d=64 causal 8k
     (d=64 2k 272 vs 323 TFLOP/s; d=128 2k 342 vs 341, causal 265 vs 270): one tile, warp and stage
     count must suit both kinds, and the heavier kind's registers bind both.
@@ -109,19 +113,20 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     """
     if device.type != "cuda":
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, True)
+    pdl = torch.cuda.get_device_capability(device)[0] >= 9
     bd = padded_headdim(d)
     if dtype == torch.float32:
         if bd <= 128:
-            return BackwardConfig(BlockConfig(32, 64, 4, 1), BlockConfig(64, 32, 4, 1), False)
-        return BackwardConfig(BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1), False)
+            return BackwardConfig(BlockConfig(32, 64, 4, 1), BlockConfig(64, 32, 4, 1), False, pdl=pdl)
+        return BackwardConfig(BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1), False, pdl=pdl)
     if bd <= 64:
         dq = BlockConfig(128, 64, 8, 3) if causal else BlockConfig(64, 64, 4, 3)
-        return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False, dq_tma=True, head_chunk=4)
+        return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False, dq_tma=True, head_chunk=4, pdl=pdl)
     if bd <= 128:
         return BackwardConfig(BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 8, 3), False, dkdv_tma=True,
-                              dq_tma=True, head_chunk=16, dq_head_chunk=16)
+                              dq_tma=True, head_chunk=16, dq_head_chunk=16, pdl=pdl)
     dkdv = BlockConfig(64, 64, 8, 1) if causal else BlockConfig(32, 32, 4, 2)
-    return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 1), False)
+    return BackwardConfig(dkdv, BlockConfig(64, 32, 4, 1), False, pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------
