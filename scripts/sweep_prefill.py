@@ -27,16 +27,14 @@ def F(m1, n1, m2, n2, warps, stages):
     return BackwardConfig(C(m1, n1, warps, stages), C(m2, n2, warps, stages), True)
 
 
-def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1, dq_tma=False, pdl=True, persistent=0, dq_persistent=0):
+def S(dkdv, dq, tma=False, chunk=1, dq_chunk=1, dq_tma=False, pdl=False):
     return BackwardConfig(C(*dkdv), C(*dq), False, dkdv_tma=tma, dq_tma=dq_tma, head_chunk=chunk,
-                          dq_head_chunk=dq_chunk, pdl=pdl, persistent=persistent, dq_persistent=dq_persistent)
+                          dq_head_chunk=dq_chunk, pdl=pdl)
 
 
 def variants(cfg):
-    """cfg, and with persistent grids as many programs as fit per SM (ptxas, sm_90: the dQ program
-    goes from 126 / 180 to 186 / 254 registers at d=64 / 128, one program of 8 warps per SM; dK/dV
-    stays at 255, two of 4 warps): the dQ launch, the dK/dV launch, both."""
-    return [cfg, cfg._replace(dq_persistent=1), cfg._replace(persistent=2), cfg._replace(persistent=2, dq_persistent=1)]
+    """cfg without and with PDL for the dK/dV launch."""
+    return [cfg, cfg._replace(pdl=True)]
 
 
 CANDIDATES = {
@@ -134,8 +132,7 @@ def label(cfg) -> str:
             return f"F({a.block_m}, {a.block_n}, {b.block_m}, {b.block_n}, {a.num_warps}, {a.num_stages})"
         extra = ((", tma" if cfg.dkdv_tma else "") + (", dq_tma" if cfg.dq_tma else "") + (f", chunk={cfg.head_chunk}" if cfg.head_chunk > 1 else "")
                  + (f", dq_chunk={cfg.dq_head_chunk}" if cfg.dq_head_chunk > 1 else "")
-                 + (", pdl" if cfg.pdl else "") + (f", persistent={cfg.persistent}" if cfg.persistent else "")
-                 + (f", dq_persistent={cfg.dq_persistent}" if cfg.dq_persistent else ""))
+                 + (", pdl" if cfg.pdl else ""))
         return f"S({tuple(a)}, {tuple(b)}{extra})"
     return str(tuple(cfg))
 

@@ -37,14 +37,11 @@ KERNELS = {  # kernel, default tiles, the names they set
 }
 KERNELS["dkdv-tma"] = KERNELS["dkdv-pdl"] = KERNELS["dkdv"]
 KERNELS["backward-tma"] = KERNELS["backward"]
-KERNELS["dq-delta"] = KERNELS["dq-tma"] = KERNELS["dq-persistent"] = KERNELS["dq"]
-KERNELS["dkdv-persistent"] = KERNELS["dkdv"]
+KERNELS["dq-delta"] = KERNELS["dq-tma"] = KERNELS["dq"]
 PARTS = {"dkdv": dict(DKDV=True, DQ=False), "dq": dict(DKDV=False, DQ=True),
          "backward": dict(DKDV=True, DQ=True), "forward": {}, "dkdv-tma": dict(DKDV=True, DQ=False),
          "dkdv-pdl": dict(DKDV=True, DQ=False, PDL=True), "dq-delta": dict(DKDV=False, DQ=True, WRITE_DELTA=True),
-         "dq-tma": dict(DKDV=False, DQ=True), "backward-tma": dict(DKDV=True, DQ=True),
-         "dq-persistent": dict(DKDV=False, DQ=True, PERSISTENT=True),
-         "dkdv-persistent": dict(DKDV=True, DQ=False, PERSISTENT=True)}
+         "dq-tma": dict(DKDV=False, DQ=True), "backward-tma": dict(DKDV=True, DQ=True)}
 DESCRIPTORS = ("Q_desc", "dO_desc", "K_desc", "V_desc")
 FP32_POINTERS = ("Lse", "Delta")
 FLOATS = ("qk_scale", "softcap", "softmax_scale")
@@ -65,7 +62,6 @@ def compile_sm90(name: str, d: int, blocks=None):
         const["HEAD_CHUNK"] = 1
         const.setdefault("WRITE_DELTA", False)
         const.setdefault("PDL", False)
-        const.setdefault("PERSISTENT", False)
     descriptors = {}  # the descriptors this kind reads, and their box rows
     if "DKDV_TMA" in names:
         if tma and const["DKDV"]:

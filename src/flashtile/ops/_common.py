@@ -120,12 +120,7 @@ def head_chunked_order(n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
     """
     if HEAD_CHUNK == 1:
         return tl.program_id(0), tl.program_id(1)
-    return chunked_index(tl.program_id(0), n_programs, n_heads, HEAD_CHUNK)
-
-
-@triton.jit
-def chunked_index(lin, n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
-    """(program, head) of item lin in head_chunked_order's launch order."""
+    lin = tl.program_id(0)
     per_chunk = HEAD_CHUNK * n_programs
     chunk = lin // per_chunk
     r = lin - chunk * per_chunk

@@ -30,8 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LOG2E, alibi_strides, block_range, chunked_index, dot_precision,
-                                   head_chunked_order,
+from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_chunked_order,
                                    head_dim_mask, in_window, kernel_scale, load_tile_pair, scores_log2, visible)
 
 
@@ -281,9 +280,9 @@ def _dq_program(
              dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
-def _bwd_tile(
-    pid, bhk, Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
+@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs"])
+def _bwd_kernel(
+    Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -296,11 +295,18 @@ def _bwd_tile(
     batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
     head_dim, n_programs, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
-    DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, WRITE_DELTA: tl.constexpr,
+    DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr, WRITE_DELTA: tl.constexpr,
     PDL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program pid of (batch, kv head) bhk in _bwd_kernel."""
+    """Grid of n_programs x (batch x kv heads) in the order of ops._common.head_chunked_order. With
+    DKDV the first cdiv(sk, BLOCK_N1) programs of a head are dK/dV programs (BLOCK_N1 keys,
+    BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group are dQ programs (BLOCK_M2
+    rows, BLOCK_N2 keys per step) of the group's query heads. WRITE_DELTA (a dQ launch): the dQ
+    programs compute delta and store it for the dK/dV launch after them. PDL: a dQ launch lets the
+    next launch start as its last programs run; a dK/dV launch waits for the previous one's writes
+    (gdc_wait) only after loading K and V."""
+    pid, bhk = head_chunked_order(n_programs, batch * nheads_k, HEAD_CHUNK)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     group = nheads // nheads_k
@@ -339,74 +345,6 @@ def _bwd_tile(
             nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
             DQ_TMA, DOT_PRECISION, WRITE_DELTA)
-
-
-@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs"])
-def _bwd_kernel(
-    Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    stride_slope_b, stride_slope_h,
-    batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-    head_dim, n_programs, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
-    DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr, WRITE_DELTA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    PDL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Grid of n_programs x (batch x kv heads) in the order of ops._common.head_chunked_order. With
-    DKDV the first cdiv(sk, BLOCK_N1) programs of a head are dK/dV programs (BLOCK_N1 keys,
-    BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group are dQ programs (BLOCK_M2
-    rows, BLOCK_N2 keys per step) of the group's query heads. WRITE_DELTA (a dQ launch): the dQ
-    programs compute delta and store it for the dK/dV launch after them. PDL: a dQ launch lets the
-    next launch start as its last programs run; a dK/dV launch waits for the previous one's writes
-    (gdc_wait) only after loading K and V. PERSISTENT: the grid has fewer programs than
-    work items, and each program takes every num_programs-th item in the same order."""
-    if PERSISTENT:
-        n_items = n_programs * batch * nheads_k
-        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            pid, bhk = chunked_index(item, n_programs, batch * nheads_k, HEAD_CHUNK)
-            _bwd_tile(pid, bhk, Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
-                      stride_qb, stride_qm, stride_qh, stride_qd,
-                      stride_kb, stride_kn, stride_kh, stride_kd,
-                      stride_vb, stride_vn, stride_vh, stride_vd,
-                      stride_dob, stride_dom, stride_doh, stride_dod,
-                      stride_ob, stride_om, stride_oh, stride_od,
-                      stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-                      stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-                      stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-                      stride_slope_b, stride_slope_h,
-                      batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-                      head_dim, n_programs, BLOCK_D, BLOCK_M1, BLOCK_N1,
-                      BLOCK_M2, BLOCK_N2, DKDV, DQ,
-                      DKDV_TMA, DQ_TMA, WRITE_DELTA,
-                      PDL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                      HAS_ALIBI, EVEN_D, DOT_PRECISION)
-    else:
-        pid, bhk = head_chunked_order(n_programs, batch * nheads_k, HEAD_CHUNK)
-        _bwd_tile(pid, bhk, Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
-                  stride_qb, stride_qm, stride_qh, stride_qd,
-                  stride_kb, stride_kn, stride_kh, stride_kd,
-                  stride_vb, stride_vn, stride_vh, stride_vd,
-                  stride_dob, stride_dom, stride_doh, stride_dod,
-                  stride_ob, stride_om, stride_oh, stride_od,
-                  stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-                  stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-                  stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-                  stride_slope_b, stride_slope_h,
-                  batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
-                  head_dim, n_programs, BLOCK_D, BLOCK_M1, BLOCK_N1,
-                  BLOCK_M2, BLOCK_N2, DKDV, DQ,
-                  DKDV_TMA, DQ_TMA, WRITE_DELTA,
-                  PDL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                  HAS_ALIBI, EVEN_D, DOT_PRECISION)
 
 
 def tma_ok(t) -> bool:
@@ -468,23 +406,15 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
 
-    def run(n, chunk, block, per_sm, pdl=False, **parts):
+    def run(n, chunk, block, pdl=False, **parts):
         chunk = chunk if causal else 1  # equal-length programs need no reordering
-        if per_sm:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-            grid = (min(n * b * hk, sms * per_sm),)
-        else:
-            grid = (n, b * hk) if chunk == 1 else (n * b * hk,)
+        grid = (n, b * hk) if chunk == 1 else (n * b * hk,)
         launch(_bwd_kernel, grid, tensors, (*scalars, n), block.num_warps, block.num_stages,
-               launch_pdl=pdl and parts["DKDV"], HEAD_CHUNK=chunk, PDL=pdl, PERSISTENT=per_sm > 0,
-               **parts, **flags)
+               launch_pdl=pdl and parts["DKDV"], HEAD_CHUNK=chunk, PDL=pdl, **parts, **flags)
 
     if cfg.fused:
-        run(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, cfg.persistent, DKDV=True, DQ=True,
-            WRITE_DELTA=False)
+        run(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=True, WRITE_DELTA=False)
     else:  # the dQ programs compute delta on the way, for the dK/dV launch
-        run(q_programs, cfg.dq_head_chunk, cfg.dq, cfg.dq_persistent, cfg.pdl, DKDV=False, DQ=True,
-            WRITE_DELTA=True)
-        run(kv_programs, cfg.head_chunk, cfg.dkdv, cfg.persistent, cfg.pdl, DKDV=True, DQ=False,
-            WRITE_DELTA=False)
+        run(q_programs, cfg.dq_head_chunk, cfg.dq, cfg.pdl, DKDV=False, DQ=True, WRITE_DELTA=True)
+        run(kv_programs, cfg.head_chunk, cfg.dkdv, cfg.pdl, DKDV=True, DQ=False, WRITE_DELTA=False)
     return dq, dk, dv

@@ -75,10 +75,6 @@ class BackwardConfig(NamedTuple):
     dq_head_chunk: int = 1
     # two launches: the dK/dV launch is a programmatic dependent launch (sm_90+) of the dQ launch
     pdl: bool = False
-    # persistent grids: programs per SM of the dK/dV (or the one) launch and of the dQ launch (0: one
-    # program per work item)
-    persistent: int = 0
-    dq_persistent: int = 0
 
 
 @functools.lru_cache(maxsize=None)
