@@ -15,24 +15,13 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
 import flashtile
 from flashtile import api
+from flashtile.bench import harness
 from flashtile.ops import decode
-
-
-def per_call_us(fn, n=3000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
 
 
 def captured_launch(jit_kernel, call):
@@ -113,7 +102,7 @@ def main(out=None):
 
     def row(name, fn):
         try:
-            lines.append(f"{name:58s} {per_call_us(fn):8.1f} us/call")
+            lines.append(f"{name:58s} {harness.wall_us(fn, 3000, warmup=50):8.1f} us/call")
         except Exception as e:  # one piece that cannot run alone: say so, time the others
             lines.append(f"{name:58s} failed: {e!r}"[:300])
         print(lines[-1], flush=True)

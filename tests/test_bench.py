@@ -98,7 +98,7 @@ def test_decode_row_failure_is_recorded_and_the_run_goes_on(tmp_path, monkeypatc
     monkeypatch.setattr(decode, "implementations", lambda *a, **kw: {
         "eager": (decode._eager, None), "sdpa-gqa": (decode._sdpa_gqa, None), "flashtile": (broken, None)})
     monkeypatch.setattr(decode, "chosen_splits", lambda *a, **kw: 3)
-    monkeypatch.setattr(decode, "_loop_us", lambda call, n=50: 2.0)
+    monkeypatch.setattr(harness, "wall_us", lambda call, n=50, warmup=0: 2.0)
     monkeypatch.setattr(harness, "bench_ms", lambda fn, warmup=25, rep=100: (fn(), 0.001)[1])
     monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
     args = argparse.Namespace(dtype="float32", quick=True, impls=list(decode.IMPLS), tolerance=1e-3)

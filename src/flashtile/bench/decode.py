@@ -27,7 +27,6 @@ import argparse
 import itertools
 import json
 import os
-import time
 
 import torch
 
@@ -126,15 +125,6 @@ def _rotating(fn, q, buffers):
     return lambda: fn(q, *next(order))
 
 
-def _loop_us(call, n=50) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
-
-
 def _graph_us(fn, q, buffers, **bench) -> float:
     """Device time per call without host overhead: one CUDA graph holding a call on every rotating
     buffer, replayed (do_bench's cache flush between replays hides only ~90 µs of host time, so
@@ -193,7 +183,7 @@ def run(args, path: str | None = None) -> dict:
                         continue
                 call = _rotating(fn, q, buffers)
                 us = harness.bench_ms(call) * 1e3
-                row.update(us=us, GBps=kv_bytes / us * 1e-3, loop_us=_loop_us(call))
+                row.update(us=us, GBps=kv_bytes / us * 1e-3, loop_us=harness.wall_us(call))
                 try:
                     row["graph_us"] = _graph_us(fn, q, buffers)
                     row["graph_GBps"] = kv_bytes / row["graph_us"] * 1e-3

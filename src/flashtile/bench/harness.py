@@ -12,6 +12,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 
 import torch
 
@@ -55,6 +56,19 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def wall_us(call, n: int = 50, warmup: int = 0) -> float:
+    """Wall-clock microseconds per call of call() run n times back to back (host time included),
+    after warmup untimed calls."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
 
 
 def ceilings() -> dict:
