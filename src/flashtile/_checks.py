@@ -7,6 +7,9 @@ without reading our source.
 from __future__ import annotations
 
 import math
+import operator
+import weakref
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -56,14 +59,36 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
     return b, sq, sk, h, hk, d
 
 
+def check_int(name: str, x, minimum: int = 0) -> int:
+    """An integer argument as a Python int: an int, a numpy integer, or a one-element integer
+    tensor (flash-attn's own tests pass window_size = torch.randint(0, seqlen_k, (2,)))."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int, got a {x.dtype} tensor of shape {tuple(x.shape)}")
+        x = int(x.item())
+    elif isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got {x!r}")
+    else:
+        try:
+            x = operator.index(x)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(x).__name__}") from None
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
 def check_window(window_size, causal: bool) -> tuple[int, int]:
-    """Normalise (left, right): -1 means unbounded; causal forces right = 0."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    """Normalise (left, right): -1 means unbounded; causal forces right = 0. A tuple, a list or a
+    2-element tensor of ints, as flash-attn accepts."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.numel() != 2:
+            raise ValueError(f"window_size must be a pair (left, right), got a tensor of shape "
+                             f"{tuple(window_size.shape)}")
+        window_size = window_size.flatten()
+    elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    left, right = (int(x) for x in window_size)
-    for side, x in (("left", left), ("right", right)):
-        if x < -1:
-            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {x}")
+    left, right = (check_int(f"window_size {side}", x, -1) for side, x in zip(("left", "right"), window_size))
     if causal:
         right = 0
     return left, right
@@ -90,6 +115,9 @@ def check_alibi(alibi_slopes, b: int, h: int, device) -> None:
 
 
 def check_dropout_p(dropout_p: float) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, torch.Tensor)) and \
+            not hasattr(dropout_p, "__float__"):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -103,3 +131,179 @@ def default_scale(softmax_scale, d: int) -> float:
     if not math.isfinite(softmax_scale) or softmax_scale == 0:
         raise ValueError(f"softmax_scale must be a finite non-zero number, got {softmax_scale}")
     return softmax_scale
+
+
+def dropout_threshold(dropout_p: float) -> tuple[int, float]:
+    """(threshold, scale) of dropout as the kernels and reference.dropout apply it.
+
+    A score is dropped when its 16 random bits fall below threshold = round(p * 2^16), so the drop
+    probability is threshold / 2^16 (within 2^-17 of p); kept scores are scaled by
+    2^16 / (2^16 - threshold), which makes the output's expectation the no-dropout output exactly
+    (and is 1 / (1 - p) to within 1e-5 relative).
+    """
+    threshold = min(round(dropout_p * 65536), 65535)
+    return threshold, 65536.0 / (65536 - threshold)
+
+
+class Varlen(NamedTuple):
+    """A checked packed batch: sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of
+    q (total_q, h, d), its keys rows cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v (total_k, hk, d), only
+    the first seqused_k[b] of them when given. With block_table, k/v are pages (num_pages,
+    page_size, hk, d) and key j of sequence b is row j % page_size of page block_table[b, j //
+    page_size] (cu_seqlens_k then only gives the lengths)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_k: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Values of index tensors (cu_seqlens, seqused_k, block_table) on the host
+# --------------------------------------------------------------------------------------------
+
+_host_cache: dict = {}  # id(tensor) -> (weakref to it, its version, its values)
+
+
+def host_values(t: torch.Tensor) -> Optional[list]:
+    """t's values as Python ints, or None when they cannot be read now (CUDA-graph capture, or
+    torch.compile tracing): the caller then skips the value checks, and the kernels clamp.
+
+    A CUDA tensor is copied to the host once per version: training passes the same cu_seqlens to
+    every layer of a step, so one sync per batch checks them all. The cache holds a weak reference
+    and the tensor's version counter, so an in-place update (or a new tensor) is read again.
+    Writes that bypass autograd's version counter (a custom kernel writing its memory) are not
+    seen: pass a new tensor then.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    if t.device.type != "cuda":
+        return t.tolist()
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    key = id(t)
+    hit = _host_cache.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    values = t.tolist()
+    _host_cache[key] = (weakref.ref(t, lambda _, key=key: _host_cache.pop(key, None)), t._version, values)
+    return values
+
+
+def check_index_tensor(name: str, t, device, shape: tuple) -> None:
+    """An int32 index tensor of the given shape (None = any size there) on device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = "(" + ", ".join("n" if w is None else str(w) for w in shape) + ("," if len(shape) == 1 else "") + ")"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+
+
+def _check_offsets(name: str, values: list, total: Optional[int]) -> list[int]:
+    """cu_seqlens values: from 0, non-decreasing, ending at total (when given); returns the lengths."""
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {values[i + 1]} < "
+                             f"{name}[{i}] = {values[i]}")
+    if total is not None and values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of packed rows ({total}), got {values[-1]}")
+    return lengths
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
+                 block_table=None) -> Varlen:
+    """Check a packed batch (flash_attn_varlen_func's arguments); return it as a Varlen.
+
+    Shapes, dtypes and devices always. Values (offsets from 0, non-decreasing, ending at the packed
+    totals; max_seqlen at least every length; seqused_k within its sequence; page indices inside
+    k) whenever host_values can read them: once per cu_seqlens tensor (see host_values); never
+    under CUDA-graph capture, where the kernels clamp every index instead (a wrong table then gives
+    wrong rows, never an access outside the tensors).
+    """
+    paged = block_table is not None
+    check_tensor("q", q, 3)
+    check_tensor("k", k, 4 if paged else 3)
+    check_tensor("v", v, 4 if paged else 3)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+    total_q, h, d = q.shape
+    hk = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have head dim {d} (as q), got {k.shape[-1]}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
+    if d < 1 or d > MAX_HEADDIM:
+        raise ValueError(f"head dim must be in 1..{MAX_HEADDIM}, got {d}")
+    if hk < 1 or h % hk != 0:
+        raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of "
+                         f"key/value heads ({hk})")
+    check_index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
+    b = cu_seqlens_q.shape[0] - 1
+    if b < 0:
+        raise ValueError("cu_seqlens_q must hold batch + 1 offsets, got an empty tensor")
+    if seqused_k is not None:
+        check_index_tensor("seqused_k", seqused_k, q.device, (b,))
+    if cu_seqlens_k is None:
+        if not (paged and seqused_k is not None):
+            raise ValueError("cu_seqlens_k may be None only with block_table and seqused_k (the keys of "
+                             "each sequence are then its first seqused_k[b] paged keys)")
+        cu_seqlens_k = torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+    check_index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (b + 1,))
+    max_seqlen_q = check_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_int("max_seqlen_k", max_seqlen_k)
+    if paged:
+        check_index_tensor("block_table", block_table, q.device, (b, None))
+        if block_table.shape[1] < 1:
+            raise ValueError(f"block_table must have shape (batch, max_pages) with max_pages >= 1, got "
+                             f"{tuple(block_table.shape)}")
+        page_size = k.shape[1]
+        if page_size % 16 != 0:
+            raise ValueError(f"the page size (k.shape[1] with a block_table) must be a multiple of 16, "
+                             f"got {page_size}")
+        capacity = block_table.shape[1] * page_size
+
+    vq = host_values(cu_seqlens_q)
+    if vq is not None:
+        lengths_q = _check_offsets("cu_seqlens_q", vq, total_q)
+        if b and max(lengths_q) > max_seqlen_q:
+            row = lengths_q.index(max(lengths_q))
+            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is smaller than sequence {row}'s length "
+                             f"{lengths_q[row]} (cu_seqlens_q)")
+    vk = host_values(cu_seqlens_k)
+    if vk is not None:
+        lengths_k = _check_offsets("cu_seqlens_k", vk, None if paged else k.shape[0])
+        used = host_values(seqused_k) if seqused_k is not None else lengths_k
+        if used is not None:
+            for i, (n, m) in enumerate(zip(used, lengths_k)):
+                if paged and n > capacity:
+                    source = "seqused_k" if seqused_k is not None else "cu_seqlens_k"
+                    raise ValueError(f"sequence {i} has {n} keys ({source}) but block_table reaches {capacity} "
+                                     f"({block_table.shape[1]} pages of {k.shape[1]})")
+                if n < 0 or (not paged and n > m):
+                    raise ValueError(f"seqused_k[{i}] = {n} must be in 0..{m} (its cu_seqlens_k length)")
+            if b and max(used) > max_seqlen_k:
+                row = used.index(max(used))
+                raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is smaller than sequence {row}'s "
+                                 f"{used[row]} keys")
+            if paged:
+                table = host_values(block_table)
+                if table is not None:
+                    for i, n in enumerate(used):
+                        for slot, page in enumerate(table[i][:-(-n // k.shape[1])]):
+                            if not 0 <= page < k.shape[0]:
+                                raise ValueError(f"block_table[{i}, {slot}] = {page} is not a page of k "
+                                                 f"(it holds {k.shape[0]}), and sequence {i} reads it")
+    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)

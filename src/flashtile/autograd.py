@@ -20,87 +20,131 @@ from typing import Optional
 
 import torch
 
+from flashtile import _checks
+
 
 def _window(left: Optional[int], right: Optional[int]) -> tuple[int, int]:
     """(left, right) for the kernels/reference: -1 = unbounded (negative right stays as given)."""
     return (-1 if left is None else left), (-1 if right is None else right)
 
 
-def _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend):
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table):
+    if cu_seqlens_q is None:
+        return None
+    return _checks.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)
+
+
+def _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend):
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)
+    dropout = (dropout_p, rng) if dropout_p > 0 else None
     if backend == "triton":
         from flashtile.ops.forward import attention_forward
 
-        return attention_forward(q, k, v, softmax_scale, (window_left, window_right), softcap, alibi_slopes)
-    from flashtile.reference import fa2
+        return attention_forward(q, k, v, softmax_scale, (window_left, window_right), softcap, alibi_slopes,
+                                 varlen=varlen, dropout=dropout)
+    window = _window(window_left, window_right)
+    if varlen is not None:
+        from flashtile.reference import varlen as reference_varlen
 
-    out, lse = fa2.forward(q, k, v, softmax_scale=softmax_scale,
-                           window_size=_window(window_left, window_right), softcap=softcap,
-                           alibi_slopes=alibi_slopes)
+        return reference_varlen.forward(q, k, v, varlen, softmax_scale, window, softcap, alibi_slopes, dropout)
+    from flashtile.reference import fa2
+    from flashtile.reference.dropout import DropoutMask
+
+    mask = None if dropout is None else DropoutMask(dropout_p, rng, q.shape[2], range(q.shape[0]))
+    out, lse = fa2.forward(q, k, v, softmax_scale=softmax_scale, window_size=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, dropout=mask)
     return out.to(q.dtype), lse.float()
 
 
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
-                   alibi_slopes, backend):
+                   alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   seqused_k, backend):
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, None)
+    dropout = (dropout_p, rng) if dropout_p > 0 else None
     if backend == "triton":
         from flashtile.ops.backward import attention_backward
 
         return attention_backward(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right),
-                                  softcap, alibi_slopes)
-    from flashtile.reference import fa2
+                                  softcap, alibi_slopes, varlen=varlen, dropout=dropout)
+    window = _window(window_left, window_right)
+    if varlen is not None:
+        from flashtile.reference import varlen as reference_varlen
 
-    dq, dk, dv = fa2.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                              window_size=_window(window_left, window_right), softcap=softcap,
-                              alibi_slopes=alibi_slopes)
+        return reference_varlen.backward(dout, q, k, v, out, lse, varlen, softmax_scale, window, softcap,
+                                         alibi_slopes, dropout)
+    from flashtile.reference import fa2
+    from flashtile.reference.dropout import DropoutMask
+
+    mask = None if dropout is None else DropoutMask(dropout_p, rng, q.shape[2], range(q.shape[0]))
+    dq, dk, dv = fa2.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window,
+                              softcap=softcap, alibi_slopes=alibi_slopes, dropout=mask)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @torch.library.custom_op("flashtile::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                   window_left: Optional[int], window_right: Optional[int], softcap: float,
-                  alibi_slopes: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend)
+                  alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng: Optional[torch.Tensor],
+                  cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                  max_seqlen_q: int, max_seqlen_k: int, seqused_k: Optional[torch.Tensor],
+                  block_table: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend):
-    b, sq, h, d = q.shape
-    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
+      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend):
+    h = q.shape[-2]
+    lse_shape = (q.shape[0], h, q.shape[1]) if cu_seqlens_q is None else (h, q.shape[0])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("flashtile::attention_bwd", mutates_args=())
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
                   window_left: Optional[int], window_right: Optional[int], softcap: float,
-                  alibi_slopes: Optional[torch.Tensor],
+                  alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng: Optional[torch.Tensor],
+                  cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                  max_seqlen_q: int, max_seqlen_k: int, seqused_k: Optional[torch.Tensor],
                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
-                          alibi_slopes, backend)
+                          alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, seqused_k, backend)
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-      backend):
+def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+      rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, backend):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend = inputs
+    (q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
+     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    ctx.paged = block_table is not None
+    ctx.args = (softmax_scale, window_left, window_right, softcap, dropout_p, max_seqlen_q, max_seqlen_k,
+                backend)
 
 
 def _grads(ctx, dout, backward):
     """(dq, dk, dv, None...) from what _setup_context saved, through `backward` (the custom op
     while compiling, its implementation in eager mode)."""
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    softmax_scale, window_left, window_right, softcap, backend = ctx.args
+    q, k, v, out, lse, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
+    softmax_scale, window_left, window_right, softcap, dropout_p, max_seqlen_q, max_seqlen_k, backend = ctx.args
+    if ctx.paged:  # the API gathers pages into contiguous k/v whenever a gradient is wanted
+        raise RuntimeError("flashtile: no backward through a paged k/v (block_table); call with "
+                           "gradients enabled and the API gathers the pages first")
     # dlse is not propagated: the LSE is returned for inspection/merging, like flash-attn.
     dq, dk, dv = backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
-                          alibi_slopes, backend)
-    return dq, dk, dv, None, None, None, None, None, None
+                          alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, seqused_k, backend)
+    return (dq, dk, dv) + (None,) * 14
 
 
 def _backward(ctx, dout, dlse):
@@ -126,8 +170,16 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, softmax_scale: float, window_left: Optional[int], window_right: Optional[int],
-              softcap: float, alibi_slopes: Optional[torch.Tensor], backend: str):
-    """(out, lse) with autograd: the custom op while torch.compile traces, _Attention otherwise."""
+              softcap: float, alibi_slopes: Optional[torch.Tensor], backend: str, dropout_p: float = 0.0,
+              rng: Optional[torch.Tensor] = None, varlen: Optional[_checks.Varlen] = None):
+    """(out, lse) with autograd: the custom op while torch.compile traces, _Attention otherwise.
+
+    dropout_p > 0 needs rng, the (2,) int64 Philox seed (reference.dropout.draw_rng), saved for the
+    backward so it regenerates the forward's mask. varlen: a checked packed batch (q (total_q, h, d)
+    and so on; lse is then (h, total_q))."""
+    vl = varlen if varlen is not None else _checks.Varlen(None, None, 0, 0)
+    args = (q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, float(dropout_p), rng,
+            *vl, backend)
     if torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend)
-    return _Attention.apply(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend)
+        return attention_fwd(*args)
+    return _Attention.apply(*args)

@@ -5,6 +5,11 @@ i + sk - sq ("the diagonal"), and may see key j iff
     j >= i + (sk - sq) - left    (when HAS_LEFT)
     j <= i + (sk - sq) + right   (when HAS_RIGHT; causal is right = 0).
 Scores live in the log2 domain inside the kernels: s2 = log2(e) * score, so exp2 replaces exp.
+
+Packed variable-length batches (varlen) give each sequence b its own rows [q_start, q_start + sq_b)
+and keys [k_start, k_start + sk_b) of one packed tensor (seq_bounds); every index a kernel works
+with after that is local to the sequence, so the masks above hold per sequence. A paged K/V keeps
+key j of sequence b in row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE] (page_of).
 """
 
 import math
@@ -157,6 +162,139 @@ def load_tile_pair(a_ptrs, b_ptrs, row_ok, d_mask, MASKED: tl.constexpr, EVEN_D:
         a = tl.load(a_ptrs, mask=d_mask, other=0.0)
         b = tl.load(b_ptrs, mask=d_mask, other=0.0)
     return a, b
+
+
+@triton.jit
+def seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN: tl.constexpr,
+               HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr):
+    """(q_start, sq_b, k_start, sk_b) of sequence b: dense (0, sq, 0, sk); varlen from cu_seqlens.
+
+    The API checks cu_seqlens on the host (monotone, ending at total_q / total_k); the clamps here
+    keep a bad table (unchecked under CUDA-graph capture) inside the tensors: rows and keys outside
+    [0, total) are never touched. With seqused_k only its first sk_b keys count. Paged keys start at
+    0 in each sequence's own pages, and total_k is the page table's reach.
+    """
+    if IS_VARLEN:
+        q_start = tl.minimum(tl.maximum(tl.load(CuSeqQ + b), 0), total_q)
+        q_end = tl.minimum(tl.maximum(tl.load(CuSeqQ + b + 1), q_start), total_q)
+        k_first = tl.load(CuSeqK + b)
+        k_count = tl.load(CuSeqK + b + 1) - k_first
+        if PAGED:
+            k_start = 0
+            limit = total_k
+        else:
+            k_start = tl.minimum(tl.maximum(k_first, 0), total_k)
+            limit = total_k - k_start
+        if HAS_SEQUSED:
+            k_count = tl.load(SeqUsedK + b)
+        return q_start, q_end - q_start, k_start, tl.minimum(tl.maximum(k_count, 0), limit)
+    return 0, sq, 0, sk
+
+
+@triton.jit
+def lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN: tl.constexpr):
+    """Offset of the first row of (sequence b, head h) in an LSE-shaped tensor (LSE, delta): (b, h,
+    sq) for a dense batch, (h, total_q) for a packed one (flash-attn's varlen LSE layout)."""
+    if IS_VARLEN:
+        return h.to(tl.int64) * total_q + q_start
+    return (b * nheads + h).to(tl.int64) * sq
+
+
+@triton.jit
+def page_of(table, start_n, offs_n, max_pages, num_pages, PAGE_SIZE: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """(page, row) of keys start_n + offs_n of a paged K/V: row of page table[pos // PAGE_SIZE].
+
+    A tile inside one page (PAGE_SIZE a multiple of BLOCK_N and start_n a multiple of BLOCK_N)
+    loads one page index; smaller pages one per key. Table slots and page numbers are clamped into
+    range: a bad table (unchecked under CUDA-graph capture) gives wrong keys, never an access
+    outside the table or the pages. page is int64 (page * page stride can pass 2^31).
+    """
+    if PAGE_SIZE % BLOCK_N == 0:
+        slot = tl.minimum(start_n // PAGE_SIZE, max_pages - 1)
+        row = start_n % PAGE_SIZE + offs_n
+    else:
+        pos = start_n + offs_n
+        slot = tl.minimum(pos // PAGE_SIZE, max_pages - 1)
+        row = pos % PAGE_SIZE
+    page = tl.minimum(tl.maximum(tl.load(table + slot), 0), num_pages - 1)
+    return page.to(tl.int64), row
+
+
+# Philox2x32 (Salmon et al., 2011; Random123's constants): one round maps a counter (c0, c1) under
+# a key k to (hi(M c0) ^ k ^ c1, lo(M c0)); the key grows by W between rounds.
+PHILOX2_M = tl.constexpr(0xD256D193)
+PHILOX2_W = tl.constexpr(0x9E3779B9)
+PHILOX_ROUNDS = tl.constexpr(10)
+HEAD_KEY_STRIDE = tl.constexpr(0x2545F491)  # odd: distinct heads of one call get distinct keys
+
+
+@triton.jit
+def philox2x32(key, c0, c1):
+    """Philox2x32-10 of uint32 counters (c0, c1) under the uint32 key: two uint32 words."""
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        hi = tl.math.umulhi(c0, PHILOX2_M)
+        lo = tl.mul(c0, PHILOX2_M, sanitize_overflow=False)
+        c0 = hi ^ key ^ c1
+        c1 = lo
+        key = tl.add(key, PHILOX2_W, sanitize_overflow=False)
+    return c0, c1
+
+
+@triton.jit
+def dropout_keep(key, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.constexpr, threshold,
+                 TRANSPOSED: tl.constexpr):
+    """Which scores of rows [start_m, start_m + BLOCK_M) x keys [start_n, start_n + BLOCK_N) of
+    head bh survive dropout: (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) when TRANSPOSED.
+
+    One Philox2x32-10 call gives two 32-bit words, four 16-bit halves: one for each score of the
+    2 x 2 group rows {i0, i0 + 8} x keys {j0, j0 + 8} (i0 = 16 (i // 16) + i % 8, likewise j0).
+    Counter (j0 // 16 * 8 + j0 % 8, i0 // 16 * 8 + i0 % 8), key = the call's key (dropout_seed) +
+    bh * HEAD_KEY_STRIDE; score (i, j) reads half (j // 8) % 2 (low half first) of word (i // 8) % 2
+    and is kept when it is >= threshold = round(p * 2^16).
+    Why this grouping: in an MMA accumulator each warp holds 16 rows and a thread rows r and r + 8
+    of them, at keys 2q, 2q + 1 of every 8; the dK/dV programs hold the transposed tile. The 2 x 2
+    group is the only one that sits in one thread in both orientations, so the bits land in the
+    registers that use them and never move between threads. (Earlier layouts on the H100: 8
+    scores per Philox4x32 call along the keys moved every tile's bits through shared memory -
+    forward 2.3-2.4x slower with dropout, and out of shared memory at d=128; the 2 x 2 group with
+    Philox4x32, a 32-bit word per score, moved nothing but cost 1.65-1.74x at d=128 and 2.25-2.46x
+    at d=64 for forward + backward: the 20 multiplies per call, 5 per score, bound it. Philox2x32
+    needs 10 per call.) Rows and keys are indices within the sequence; bh = sequence * nheads +
+    head. The mask depends on nothing else, so the backward regenerates it exactly;
+    reference/dropout.py builds the same mask in plain PyTorch. start_m, start_n, BLOCK_M and
+    BLOCK_N are multiples of 16.
+    """
+    A: tl.constexpr = BLOCK_M // 16
+    B: tl.constexpr = BLOCK_N // 16
+    if TRANSPOSED:  # (key group, j % 8, row group, i % 8)
+        j = (start_n // 16 + tl.arange(0, B))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
+        i = (start_m // 16 + tl.arange(0, A))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+        shape: tl.constexpr = (B, 8, A, 8)
+    else:  # (row group, i % 8, key group, j % 8)
+        i = (start_m // 16 + tl.arange(0, A))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
+        j = (start_n // 16 + tl.arange(0, B))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+        shape: tl.constexpr = (A, 8, B, 8)
+    head_key = tl.add(key, tl.mul(bh.to(tl.uint32), HEAD_KEY_STRIDE, sanitize_overflow=False),
+                      sanitize_overflow=False)
+    w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32), tl.broadcast_to(i, shape).to(tl.uint32))
+    # each half moved to the top 16 bits, so one unsigned compare with threshold << 16 tests it
+    bits = tl.join(tl.join(w0 << 16, w0), tl.join(w1 << 16, w1))  # (..., y = (j // 8) % 2, x = (i // 8) % 2)
+    if TRANSPOSED:  # (B, 8, A, 8, y, x) -> (B, y, 8, A, x, 8)
+        bits = tl.reshape(tl.permute(bits, (0, 4, 1, 2, 5, 3)), (BLOCK_N, BLOCK_M))
+    else:  # (A, 8, B, 8, y, x) -> (A, x, 8, B, y, 8)
+        bits = tl.reshape(tl.permute(bits, (0, 5, 1, 2, 4, 3)), (BLOCK_M, BLOCK_N))
+    return bits >= (threshold.to(tl.uint32) << 16)
+
+
+@triton.jit
+def dropout_seed(Rng):
+    """The uint32 Philox key of a call, from the (2,) int64 tensor drawn from torch's generator
+    (reference.dropout.draw_rng), all 96 drawn bits folded in: read on the device, so a CUDA
+    graph replays fresh masks."""
+    seed = tl.load(Rng)
+    offset = tl.load(Rng + 1)
+    return ((seed & 0xFFFFFFFF) ^ (seed >> 32) ^ (offset & 0xFFFFFFFF)).to(tl.uint32)
 
 
 @triton.jit

@@ -17,6 +17,10 @@ slower for the whole backward than the dQ programs at every shape, so it was rem
 (benchmarks/results/h100/NOTES.md). Both loops skip the blocks that the mask hides and run the
 fully visible ones without mask work (ops._common.block_range). dK/dQ are scaled by softmax_scale
 once at the end.
+The forward's flags carry over: IS_VARLEN (each program finds its sequence in cu_seqlens; programs
+past their sequence's end run empty loops and store nothing) and HAS_DROPOUT (both kinds regenerate
+the forward's keep-mask from the same Philox counters: dV = (P o Z)^T dO / (1 - p) and
+dP = (dO V^T) o Z / (1 - p)). A paged K/V never reaches the backward (the API gathers the pages).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, head_chunked_order,
-                                   head_dim_mask, in_window, kernel_scale, load_tile_pair, scores_log2, visible)
+from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
+                                   dropout_seed, head_chunked_order, head_dim_mask, in_window,
+                                   kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds, visible)
+from flashtile.ops.forward import dropout_args, layout, varlen_args
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -77,17 +83,19 @@ def _load_rows(Lse, Delta, offs, n, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, offs_n,
-               start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_qm,
-               stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, tma_row0, h, lse_base, delta_base,
+               start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
+               stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed, bh, threshold,
+               dropout_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    if USE_TMA:  # the copy engine zero-fills rows past sq and head dims past d
-        q = q_desc.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
-        do = do_desc.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
+    if USE_TMA:  # the copy engine zero-fills rows past the tensor and head dims past d; rows of the
+        # next sequence of a packed batch get an LSE of +inf below, so P = 0 there as well
+        q = q_desc.load([tma_b, tma_row0 + start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = do_desc.load([tma_b, tma_row0 + start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
         q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + q_doffs
         do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
@@ -102,8 +110,14 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, d
     if MASKED and (HAS_LEFT or HAS_RIGHT):
         ok = in_window(offs_m[None, :], offs_n[:, None], diag_offset, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = tl.where(ok, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:  # the forward's mask in this orientation; dv is scaled by 1 / (1 - p) at the end
+        keep_t = dropout_keep(seed, bh, start_m, BLOCK_M, start_n, BLOCK_N, threshold, True)
+        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+    if HAS_DROPOUT:
+        dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
     ds_t = (p_t * (dp_t - delta[None, :]) * dcap_t).to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -111,18 +125,20 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, d
 
 @triton.jit
 def _dkdv_program(
-    start_n, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, q_desc, do_desc,
+    start_n, b, hk, q_start, k_start, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, q_desc, do_desc,
     stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
-    softmax_scale, head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
+    qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale,
+    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dK, dV of keys [start_n, start_n + BLOCK_N) of K/V head hk, summed over its query heads.
 
+    sq, sk: this sequence's rows and keys, which start at rows q_start / k_start of the tensors.
     PDL: launched as a programmatic dependent of the dQ launch that writes Delta; K and V are
     loaded while that launch drains, and gdc_wait holds the loop until its writes are visible."""
     diag_offset = sk - sq
@@ -131,10 +147,10 @@ def _dkdv_program(
     d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
     kv_mask = (offs_n[:, None] < sk) & d_mask
     k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-                + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+                + (k_start + offs_n)[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kv_mask, other=0.0)
     v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-                + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                + (k_start + offs_n)[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -142,57 +158,74 @@ def _dkdv_program(
         gdc_wait()
     q_doffs = offs_d[None, :] * stride_qd
     do_doffs = offs_d[None, :] * stride_dod
+    tma_b = b
+    if IS_VARLEN:
+        tma_b = 0
 
     # Rows that can see this key block: the block_range of keys-over-rows (offset and sides swap).
     lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
                                            HAS_RIGHT, HAS_LEFT)
-    for g in range(0, group):
+    n_heads = group
+    if IS_VARLEN:  # a key block past its sequence's end (the grid covers the longest) does nothing
+        n_heads = tl.where(start_n < sk, group, 0)
+    for g in range(0, n_heads):
         h = hk * group + g
+        bh = b * nheads + h
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        row_base = (b * nheads + h).to(tl.int64) * sq
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
+        do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + tl.cast(q_start, tl.int64) * stride_dom
+        row_base = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN)
         lse_base = Lse + row_base
         delta_base = Delta + row_base
         for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base,
-                                offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                                stride_qm, stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, BLOCK_D, True,
-                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
+                                delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
+                                softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
+                                bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, True,
+                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                HAS_DROPOUT)
         for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base,
-                                offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                                stride_qm, stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, BLOCK_D, False,
-                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
+                                delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
+                                softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
+                                bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, False,
+                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                HAS_DROPOUT)
         for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base,
-                                offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                                stride_qm, stride_dom, q_doffs, do_doffs, d_mask, BLOCK_M, BLOCK_D, True,
-                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
+                                delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
+                                softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
+                                bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, True,
+                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                HAS_DROPOUT)
 
     dk = dk * softmax_scale
+    if HAS_DROPOUT:
+        dv = dv * dropout_scale
     tl.store(dK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-             + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd,
+             + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-             + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd,
+             + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd,
              dv.to(dV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
-             diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs,
-             d_mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, tma_row0, hk, start_m, offs_m, start_n,
+             sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs,
+             d_mask, seed, bh, threshold, dropout_scale,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-             HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One K/V block against the fixed Q block."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if USE_TMA:  # zero-filled past sk and d; keys past sk still need the mask below (P there is not 0)
-        k = k_desc.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = v_desc.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+    if USE_TMA:  # zero-filled past the tensor and d; keys past sk (the next sequence's, or zeros)
+        # still need the mask below (P there is not 0)
+        k = k_desc.load([tma_b, tma_row0 + start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = v_desc.load([tma_b, tma_row0 + start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
     else:
         k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_kn + k_doffs
         v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + v_doffs
@@ -205,25 +238,31 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs
         ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    if HAS_DROPOUT:
+        BLOCK_M: tl.constexpr = offs_m.shape[0]
+        keep = dropout_keep(seed, bh, start_m, BLOCK_M, start_n, BLOCK_N, threshold, False)
+        dp = tl.where(keep, dp * dropout_scale, 0.0)
     ds = p * (dp - delta[:, None]) * dcap
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _dq_program(
-    start_m, b, h, hk, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, k_desc, v_desc,
+    start_m, b, h, hk, q_start, k_start, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, k_desc, v_desc,
     stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
-    nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
+    nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed, threshold,
+    dropout_scale, head_dim,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WRITE_DELTA: tl.constexpr,
+    WRITE_DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk).
 
+    sq, sk: this sequence's rows and keys, which start at rows q_start / k_start of the tensors.
     WRITE_DELTA: these rows' delta = rowsum(dO * O) is computed here (from the dO tile the program
     loads anyway) and stored for the dK/dV launch that follows, instead of read from Delta."""
     diag_offset = sk - sq
@@ -231,17 +270,15 @@ def _dq_program(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
     row_mask = (offs_m[:, None] < sq) & d_mask
+    rows = (q_start + offs_m)[:, None].to(tl.int64)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-                + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_mask, other=0.0)
+                + rows * stride_qm + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
     do = tl.load(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                 + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=row_mask, other=0.0)
-    row_base = (b * nheads + h).to(tl.int64) * sq
+                 + rows * stride_dom + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)
+    row_base = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN)
     if WRITE_DELTA:
         o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                    + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
-                    mask=row_mask, other=0.0)
+                    + rows * stride_om + offs_d[None, :] * stride_od, mask=row_mask, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(Delta + row_base + offs_m, delta, mask=offs_m < sq)
         lse2 = _load_lse2(Lse + row_base, offs_m, sq, True)
@@ -250,39 +287,52 @@ def _dq_program(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_doffs = offs_d[None, :] * stride_kd
     v_doffs = offs_d[None, :] * stride_vd
+    tma_b = b
+    if IS_VARLEN:
+        tma_b = 0
+    bh = b * nheads + h
 
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
                                            HAS_LEFT, HAS_RIGHT)
+    if IS_VARLEN:  # a row block past its sequence's end (the grid covers the longest) does nothing
+        hi = tl.where(start_m < sq, hi, lo)
+        full_lo = tl.minimum(full_lo, hi)
+        full_hi = tl.minimum(full_hi, hi)
     for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
-                      diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs,
-                      v_doffs, d_mask, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT,
-                      HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
+                      start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
+                      k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
+                      BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                      DOT_PRECISION, HAS_DROPOUT)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
-                      diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs,
-                      v_doffs, d_mask, BLOCK_N, BLOCK_D, False, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT,
-                      HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
+                      start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
+                      k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
+                      BLOCK_D, False, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                      DOT_PRECISION, HAS_DROPOUT)
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, b, hk, offs_m, start_n, sk,
-                      diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs,
-                      v_doffs, d_mask, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT,
-                      HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
+                      start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
+                      k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
+                      BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                      DOT_PRECISION, HAS_DROPOUT)
 
     dq = dq * softmax_scale
     tl.store(dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-             + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :] * stride_dqd,
+             + rows * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim", "n_programs"])
+@triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "left", "right", "threshold", "head_dim",
+                               "n_programs"])
 def _bwd_kernel(
     Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
+    CuSeqQ, CuSeqK, SeqUsedK, Rng,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -292,20 +342,22 @@ def _bwd_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h,
-    batch, nheads, nheads_k, sq, sk, left, right, qk_scale, softcap, softmax_scale,
+    batch, nheads, nheads_k, sq, sk, total_q, total_k, left, right, qk_scale, softcap, softmax_scale,
+    threshold, dropout_scale,
     head_dim, n_programs, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
     DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr, WRITE_DELTA: tl.constexpr,
     PDL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Grid of n_programs x (batch x kv heads) in the order of ops._common.head_chunked_order. With
     DKDV the first cdiv(sk, BLOCK_N1) programs of a head are dK/dV programs (BLOCK_N1 keys,
     BLOCK_M1 rows per step); with DQ the next cdiv(sq, BLOCK_M2) x group are dQ programs (BLOCK_M2
-    rows, BLOCK_N2 keys per step) of the group's query heads. WRITE_DELTA (a dQ launch): the dQ
-    programs compute delta and store it for the dK/dV launch after them. PDL: a dQ launch lets the
-    next launch start as its last programs run; a dK/dV launch waits for the previous one's writes
-    (gdc_wait) only after loading K and V."""
+    rows, BLOCK_N2 keys per step) of the group's query heads (sq, sk: the longest sequence's with
+    IS_VARLEN). WRITE_DELTA (a dQ launch): the dQ programs compute delta and store it for the dK/dV
+    launch after them. PDL: a dQ launch lets the next launch start as its last programs run; a
+    dK/dV launch waits for the previous one's writes (gdc_wait) only after loading K and V."""
     pid, bhk = head_chunked_order(n_programs, batch * nheads_k, HEAD_CHUNK)
     b = bhk // nheads_k
     hk = bhk % nheads_k
@@ -316,15 +368,22 @@ def _bwd_kernel(
     else:  # one kind per launch: decided at compile time, the other kind is not compiled in
         first_dq = 0
         is_dkdv = DKDV
+    m_blocks = tl.cdiv(sq, BLOCK_M2)
+    q_start, sq, k_start, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k,
+                                          IS_VARLEN, HAS_SEQUSED, False)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = dropout_seed(Rng)
     if is_dkdv:
         _dkdv_program(
-            pid * BLOCK_N1, b, hk, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, Q_desc, dO_desc,
+            pid * BLOCK_N1, b, hk, q_start, k_start, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, Q_desc, dO_desc,
             stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
             stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
             stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-            stride_slope_b, stride_slope_h, nheads, group, sq, sk, left, right, qk_scale, softcap,
-            softmax_scale, head_dim, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, EVEN_D, DKDV_TMA, DOT_PRECISION, PDL)
+            stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
+            qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale, head_dim,
+            BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D, DKDV_TMA,
+            DOT_PRECISION, PDL, IS_VARLEN, HAS_DROPOUT)
     else:
         # Consecutive programs take the group's heads for one Q block. With a right-bounded mask
         # (causal) the last Q blocks see the most keys, so they go first and the short ones fill
@@ -334,17 +393,18 @@ def _bwd_kernel(
         j = pid - first_dq
         pid_m = j // group
         if HAS_RIGHT:
-            pid_m = tl.cdiv(sq, BLOCK_M2) - 1 - pid_m
+            pid_m = m_blocks - 1 - pid_m
         h = hk * group + j % group
         _dq_program(
-            pid_m * BLOCK_M2, b, h, hk, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, K_desc, V_desc,
-            stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+            pid_m * BLOCK_M2, b, h, hk, q_start, k_start, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, K_desc,
+            V_desc, stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
             stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
             stride_ob, stride_om, stride_oh, stride_od,
-            stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
-            nheads, sq, sk, left, right, qk_scale, softcap, softmax_scale, head_dim,
+            stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b,
+            stride_slope_h, nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed,
+            threshold, dropout_scale, head_dim,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
-            DQ_TMA, DOT_PRECISION, WRITE_DELTA)
+            DQ_TMA, DOT_PRECISION, WRITE_DELTA, IS_VARLEN, HAS_DROPOUT)
 
 
 def tma_ok(t) -> bool:
@@ -355,58 +415,81 @@ def tma_ok(t) -> bool:
             and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def _descriptors(pair, block_rows: int, block_d: int) -> tuple:
-    """TMA descriptors of a (b, s, heads, d) pair with (1, block_rows, 1, block_d) boxes, or Nones
-    when either layout does not allow TMA (then the programs load through pointers)."""
+def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:
+    """TMA descriptors of a (b, s, heads, d) pair with (1, block_rows, 1, block_d) boxes (a packed
+    (total, heads, d) pair is read as a batch of one), or Nones when either layout does not allow
+    TMA (then the programs load through pointers)."""
     if not all(tma_ok(t) for t in pair):
         return None, None
     block = [1, block_rows, 1, block_d]
+    pair = tuple(t.unsqueeze(0) for t in pair) if varlen else pair
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in pair)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
-                       softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None):
-    """Launch the backward. Shapes as ops.forward.attention_forward; lse (b, h, sq) float32.
+                       softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None, varlen=None,
+                       dropout=None):
+    """Launch the backward. Shapes and varlen / dropout as ops.forward.attention_forward (varlen
+    without block_table); lse as it returned.
 
     Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group), bitwise
     reproducible; written into the given dq/dk/dv when passed (e.g. views of one packed gradient
-    buffer).
+    buffer). Keys past seqused_k get zero gradients.
     """
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    dq = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device) if dq is None else dq
-    dk = torch.empty((b, sk, hk, d), dtype=k.dtype, device=k.device) if dk is None else dk
-    dv = torch.empty((b, sk, hk, d), dtype=v.dtype, device=v.device) if dv is None else dv
+    if varlen is not None and varlen.block_table is not None:
+        raise ValueError("the backward reads contiguous k/v: gather the pages first (the API does)")
+    h, d = q.shape[-2:]
+    hk = k.shape[-2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    if varlen is not None and varlen.seqused_k is not None:  # no program writes keys past seqused_k
+        dk.zero_()
+        dv.zero_()
+    b, sq, sk, q_strides, k_strides = layout(q, k, varlen)
+    strides = [layout(t, k, varlen)[3] for t in (dout, out, dq)] + [layout(q, t, varlen)[4] for t in (v, dk, dv)]
+    do_strides, o_strides, dq_strides, v_strides, dk_strides, dv_strides = strides
+    vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
+    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     block_d = configs.padded_headdim(d)
     causal = window[1] == 0
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
+    if b * h * sq == 0:
+        return dq, dk, dv
 
     cfg = configs.backward_config(d, q.dtype, q.device, causal)
-    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
     if cfg.fused:  # both kinds of programs read delta at once: computed first
         pre = configs.delta_config(d, q.device)
-        launch(_delta_kernel, (cdiv(sq, pre.block_m), b * h), (out, dout, delta),
-               (*out.stride(), *dout.stride(), h, sq, d), pre.num_warps, pre.num_stages,
+        # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
+        rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
+        launch(_delta_kernel, (cdiv(rows, pre.block_m), n * h), (out, dout, delta),
+               (*o_strides, *do_strides, h, rows, d), pre.num_warps, pre.num_stages,
                BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
 
     # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
     # programs stream Q and dO, dQ programs K and V
-    dkdv_descs = _descriptors((q, dout), cfg.dkdv.block_m, block_d) if cfg.dkdv_tma else (None, None)
-    dq_descs = _descriptors((k, v), cfg.dq.block_n, block_d) if cfg.dq_tma else (None, None)
-    tensors = (q, k, v, dout, out, lse, delta, dq, dk, dv, alibi_slopes, *dkdv_descs, *dq_descs)
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *out.stride(), *dq.stride(), *dk.stride(),
-               *dv.stride(), *alibi_strides(alibi_slopes), b, h, hk, sq, sk, left or 0, right or 0,
-               qk_scale, softcap, softmax_scale, d)
+    packed = varlen is not None
+    dkdv_descs = _descriptors((q, dout), cfg.dkdv.block_m, block_d, packed) if cfg.dkdv_tma else (None, None)
+    dq_descs = _descriptors((k, v), cfg.dq.block_n, block_d, packed) if cfg.dq_tma else (None, None)
+    tensors = (q, k, v, dout, out, lse, delta, dq, dk, dv, alibi_slopes, *dkdv_descs, *dq_descs,
+               *vl_tensors[:3], rng)
+    scalars = (*q_strides, *k_strides, *v_strides, *do_strides, *o_strides, *dq_strides, *dk_strides,
+               *dv_strides, *alibi_strides(alibi_slopes), b, h, hk, sq, sk, total_q, total_k,
+               left or 0, right or 0, qk_scale, softcap, softmax_scale, threshold, dropout_scale, d)
     flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
                  BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,
                  HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
                  EVEN_D=d == block_d, DKDV_TMA=dkdv_descs[0] is not None, DQ_TMA=dq_descs[0] is not None,
-                 DOT_PRECISION=dot_precision(q.dtype))
+                 DOT_PRECISION=dot_precision(q.dtype), IS_VARLEN=vl_flags["IS_VARLEN"],
+                 HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_DROPOUT=has_dropout)
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
 
     def run(n, chunk, block, pdl=False, **parts):
+        if n == 0:
+            return
         chunk = chunk if causal else 1  # equal-length programs need no reordering
         grid = (n, b * hk) if chunk == 1 else (n * b * hk,)
         launch(_bwd_kernel, grid, tensors, (*scalars, n), block.num_warps, block.num_stages,

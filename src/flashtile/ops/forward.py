@@ -4,6 +4,14 @@ Online softmax in the log2 domain with the scale folded into one multiply, the o
 unnormalised and divided by l once at the end, the log-sum-exp written for the backward. The KV loop
 runs in up to three phases (ops._common.block_range): masked blocks, then blocks every row of the Q
 block fully sees (no mask work at all), then masked blocks again; blocks nobody sees are skipped.
+
+Flags of the same kernel (constexprs: off, they compile to the dense kernel's code):
+  IS_VARLEN    a packed batch: program (Q block, sequence x head) finds its sequence's rows and keys
+               in cu_seqlens (ops._common.seq_bounds) and returns at once past its sequence's end
+  PAGE_SIZE    K/V read through a page table (ops._common.page_of), for chunked prefill against a
+               paged cache
+  HAS_DROPOUT  P is multiplied by a Philox keep-mask (ops._common.dropout_keep) before P V; the
+               row sum l and the LSE are those of the softmax before dropout, as in flash-attn
 """
 
 from __future__ import annotations
@@ -12,23 +20,31 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, head_dim_mask,
-                                   kernel_scale, load_tile_pair, q_block_program, scores_log2,
-                                   visible)
+from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, dropout_keep,
+                                   dropout_seed, head_dim_mask, kernel_scale, load_tile_pair, lse_row_base, page_of,
+                                   q_block_program, scores_log2, seq_bounds, visible)
 
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset, left, right,
+def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset, left, right,
               qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+              table, max_pages, num_pages, stride_kb, stride_vb, seed, bh, threshold,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr):
     """One K/V block: S = Q K^T, online-softmax update of (m_i, l_i), acc += P V."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = k_ptrs + tl.cast(start_n, tl.int64) * stride_kn
-    v_ptrs = v_ptrs + tl.cast(start_n, tl.int64) * stride_vn
+    if PAGE_SIZE > 0:  # k_ptrs / v_ptrs hold the head and head-dim offsets only
+        page, row = page_of(table, start_n, tl.arange(0, BLOCK_N), max_pages, num_pages, PAGE_SIZE, BLOCK_N)
+        k_ptrs = k_ptrs + (page * stride_kb + row * stride_kn)[:, None]
+        v_ptrs = v_ptrs + (page * stride_vb + row * stride_vn)[:, None]
+    else:
+        k_ptrs = k_ptrs + tl.cast(start_n, tl.int64) * stride_kn
+        v_ptrs = v_ptrs + tl.cast(start_n, tl.int64) * stride_vn
     k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
     s2, _ = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
@@ -46,6 +62,10 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset
     alpha = tl.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if HAS_DROPOUT:  # l sums P before dropout; only P V sees the mask (1 / (1 - p) comes at the end)
+        BLOCK_M: tl.constexpr = offs_m.shape[0]
+        keep = dropout_keep(seed, bh, start_m, BLOCK_M, start_n, BLOCK_N, threshold, False)
+        p = tl.where(keep, p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -53,20 +73,29 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset
 # Lengths, window and head dim are not specialised (divisibility by 16): one compiled variant per
 # tile and flag set instead of several per shape, which kept the 1152-case cuda grid's compile time
 # to minutes.
-@triton.jit(do_not_specialize=["sq", "sk", "left", "right", "head_dim"])
+@triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "max_pages", "num_pages", "left",
+                               "right", "threshold", "head_dim"])
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Slopes,
+    Q, K, V, Out, Lse, Slopes, CuSeqQ, CuSeqK, SeqUsedK, BlockTable, Rng,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
-    stride_slope_b, stride_slope_h,
-    nheads, group, sq, sk, left, right, qk_scale, softcap,
+    stride_slope_b, stride_slope_h, stride_tb,
+    nheads, group, sq, sk, total_q, total_k, max_pages, num_pages, left, right, qk_scale, softcap,
+    threshold, dropout_scale,
     head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, HAS_RIGHT)
+    q_start, sq, k_start, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k,
+                                          IS_VARLEN, HAS_SEQUSED, PAGE_SIZE > 0)
+    if IS_VARLEN:
+        if start_m >= sq:  # the grid covers the longest sequence
+            return
     diag_offset = sk - sq
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -74,16 +103,25 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
-    k_ptrs = (K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-              + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd)
-    v_ptrs = (V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-              + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd)
+              + (q_start + offs_m)[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
+    if PAGE_SIZE > 0:  # rows come from the page table in each step
+        table = BlockTable + b.to(tl.int64) * stride_tb
+        k_ptrs = K + hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+        v_ptrs = V + hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    else:
+        table = BlockTable
+        k_ptrs = (K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+                  + (k_start + offs_n)[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd)
+        v_ptrs = (V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+                  + (k_start + offs_n)[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd)
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < sq) & d_mask, other=0.0)
 
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = dropout_seed(Rng)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -92,54 +130,109 @@ def _fwd_kernel(
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
                                            HAS_LEFT, HAS_RIGHT)
     for start_n in range(lo, full_lo, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
                                   left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-                                  BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                  DOT_PRECISION)
+                                  table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
+                                  threshold, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                  HAS_ALIBI, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
                                   left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-                                  BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                  DOT_PRECISION)
+                                  table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
+                                  threshold, BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                  HAS_ALIBI, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
     for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, start_n, sk, diag_offset,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
                                   left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-                                  BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                  DOT_PRECISION)
+                                  table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
+                                  threshold, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                  HAS_ALIBI, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
 
     # Rows that saw no key: l = 0 -> output 0 and LSE = -inf (log of an empty sum).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        l_safe = l_safe / dropout_scale
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-              + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od)
+              + (q_start + offs_m)[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < sq) & d_mask)
-    tl.store(Lse + bh.to(tl.int64) * sq + offs_m, lse, mask=offs_m < sq)
+    lse_ptrs = Lse + lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN) + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < sq)
+
+
+def layout(q, k, varlen) -> tuple:
+    """(batch, rows and keys per sequence for the grid and masks, the strides of a q-like and a
+    k-like tensor) for ops.forward and ops.backward: dense BSHD as given; varlen (total, heads, d)
+    tensors read with a batch stride of 0 (seq_bounds moves to each sequence's first row); pages
+    (num_pages, page_size, heads, d) with the page stride in the batch slot. LSE-shaped tensors
+    are contiguous (ops._common.lse_row_base)."""
+    if varlen is None:
+        b, sq = q.shape[:2]
+        return b, sq, k.shape[1], tuple(q.stride()), tuple(k.stride())
+    qs = (0, *q.stride())
+    ks = tuple(k.stride()) if varlen.block_table is not None else (0, *k.stride())
+    return varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k, qs, ks
+
+
+def varlen_args(q, k, varlen) -> tuple:
+    """(tensors, scalars, constexprs) that every prefill kernel takes for a packed/paged batch."""
+    if varlen is None:
+        return (None, None, None, None), (0, 0, 0, 0, 0), dict(IS_VARLEN=False, HAS_SEQUSED=False, PAGE_SIZE=0)
+    table = varlen.block_table
+    paged = table is not None
+    total_k = table.shape[1] * k.shape[1] if paged else k.shape[0]
+    return ((varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_k, table),
+            (table.stride(0) if paged else 0, q.shape[0], total_k, table.shape[1] if paged else 0,
+             k.shape[0] if paged else 0),
+            dict(IS_VARLEN=True, HAS_SEQUSED=varlen.seqused_k is not None,
+                 PAGE_SIZE=k.shape[1] if paged else 0))
+
+
+def dropout_args(dropout) -> tuple:
+    """(rng tensor, threshold, scale, HAS_DROPOUT) from dropout = (p, rng) or None."""
+    if dropout is None or dropout[0] == 0:
+        return None, 0, 1.0, False
+    threshold, scale = _checks.dropout_threshold(dropout[0])
+    return dropout[1], threshold, scale, True
 
 
 def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: float = 0.0,
-                      alibi_slopes=None, out=None):
-    """Launch the forward. q (b, sq, h, d), k/v (b, sk, hk, d), any strides, fp16/bf16/fp32.
+                      alibi_slopes=None, out=None, varlen=None, dropout=None):
+    """Launch the forward. q (b, sq, h, d), k/v (b, sk, hk, d), any strides, fp16/bf16/fp32; or
+    with varlen (a checked _checks.Varlen) q (total_q, h, d) and k/v (total_k, hk, d) or pages.
 
     window = (left, right), None for an unbounded side (causal is right = 0; right may be negative,
-    as torch's top-left causal needs when sq < sk). Returns out (b, sq, h, d)
-    in q's dtype (written into `out` when given) and lse (b, h, sq) float32, natural log.
+    as torch's top-left causal needs when sq < sk). dropout = (p, rng): drop probability and the
+    (2,) int64 Philox seed tensor (reference.dropout.draw_rng). Returns out shaped like q in q's
+    dtype (written into `out` when given) and lse, float32, natural log: (b, h, sq), or (h,
+    total_q) with varlen.
     """
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    h, d = q.shape[-2:]
+    hk = k.shape[-2]
     if out is None:
-        out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse_shape = (q.shape[0], h, q.shape[1]) if varlen is None else (h, q.shape[0])
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    b, sq, sk, q_strides, k_strides = layout(q, k, varlen)
+    o_strides = layout(out, k, varlen)[3]
+    v_strides = layout(q, v, varlen)[4]
+    vl_tensors, (stride_tb, total_q, total_k, max_pages, num_pages), vl_flags = varlen_args(q, k, varlen)
+    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     cfg = configs.forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk)
     block_d = configs.padded_headdim(d)
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
-    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes),
-           (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *alibi_strides(alibi_slopes),
-            h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap, d),
+    if b * sq == 0:
+        return out, lse
+    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng),
+           (*q_strides, *k_strides, *v_strides, *o_strides, *alibi_strides(alibi_slopes),
+            stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
+            qk_scale, softcap, threshold, dropout_scale, d),
            cfg.num_warps, cfg.num_stages,
            BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=left is not None,
            HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-           EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype))
+           EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype), HAS_DROPOUT=has_dropout,
+           **vl_flags)
     return out, lse

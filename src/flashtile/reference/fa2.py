@@ -6,7 +6,8 @@ and scaled by diag(l)^-1 once at the end; the output is the log-sum-exp L = m + 
 (l, m); and blocks that the causal or sliding-window mask hides completely are skipped.
 
 This module is also the CPU path of the public API: BSHD inputs, GQA/MQA, bottom-right aligned causal
-and windowed masks with sq != sk, softcap, ALiBi, everything of `naive` except dropout. It loops over
+and windowed masks with sq != sk, softcap, ALiBi and dropout (the kernels' mask, reference.dropout,
+drawn tile by tile: the mask is never materialised either; Z below). It loops over
 blocks only; every tile carries all (b, h) at once, and the largest temporary is one (b, h, block_m,
 block_n) score tile, so the extra memory is O(N), never O(N^2). An `analysis.IOCounter` passed as
 `counter` sees every tile that moves between "HBM" and "SRAM" (`analysis.fa2` predicts the count).
@@ -26,11 +27,12 @@ BLOCK_N = 128
 
 
 def attend(p: _tiles.Problem, lo: int, hi: int, block_m: int, block_n: int,
-           io) -> tuple[torch.Tensor, torch.Tensor]:
+           io, dropout=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1 over the keys [lo, hi) only: (O (b, h, sq, d), L (b, h, sq)) in p.dtype.
 
     The K/V block grid starts at lo, so `decoding` runs this once per split of the keys. Rows that see
-    no key of [lo, hi) get O = 0 and L = -inf.
+    no key of [lo, hi) get O = 0 and L = -inf. With dropout (a reference.dropout.DropoutMask) P V
+    uses P o Z, scaled once at the end; l and L stay those of the softmax before dropout.
     """
     O = torch.empty_like(p.qh)  # (b, h, sq, d) in HBM
     L = torch.empty(p.b, p.h, p.sq, dtype=p.dtype, device=p.qh.device)  # (b, h, sq)
@@ -51,9 +53,13 @@ def attend(p: _tiles.Problem, lo: int, hi: int, block_m: int, block_n: int,
             P_tilde = torch.exp(S_ij - finite_or_zero(m_new)[..., None])  # (b, h, Br, Bc)
             alpha = torch.exp(m_i - finite_or_zero(m_new))  # (b, h, Br) e^{m_i^(j-1) - m_i^(j)}
             l_i = alpha * l_i + P_tilde.sum(-1)  # (b, h, Br)
+            if dropout is not None:
+                P_tilde = P_tilde * dropout.keep(r0, r1, c0, c1, P_tilde.device)  # P_tilde o Z_ij
             O_i = alpha[..., None] * O_i + P_tilde @ V_j  # (b, h, Br, d)  line 10, unnormalised
             m_i = m_new
         O_i = O_i / nonzero(l_i)[..., None]  # (b, h, Br, d)  line 12: the one diag(l)^-1
+        if dropout is not None:
+            O_i = O_i * dropout.scale  # 1 / (1 - p)
         L_i = m_i + torch.log(l_i)  # (b, h, Br)  line 13; -inf where the row saw no key
         O[:, :, r0:r1] = O_i  # line 14
         L[:, :, r0:r1] = L_i  # line 15
@@ -62,7 +68,7 @@ def attend(p: _tiles.Problem, lo: int, hi: int, block_m: int, block_n: int,
 
 
 def forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, block_m=BLOCK_M, block_n=BLOCK_N, counter=None):
+            alibi_slopes=None, block_m=BLOCK_M, block_n=BLOCK_N, counter=None, dropout=None):
     """Exact attention, FA2's loop. Returns (out, lse).
 
     q (b, sq, h, d), k and v (b, sk, hk, d) with h % hk == 0; fp16, bf16, fp32 or fp64. Scores are
@@ -73,16 +79,18 @@ def forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
         1 1 1 1 1
     Computes in float32 (float64 for float64 inputs). out (b, sq, h, d) in q's dtype; lse (b, h, sq)
     float32 (float64 for float64 inputs), natural log. A row that sees no key has out 0, lse -inf.
+    dropout: a reference.dropout.DropoutMask (the kernels' mask) or None.
     """
     p = _tiles.Problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     _tiles.check_block("block_m", block_m)
     _tiles.check_block("block_n", block_n)
-    O, L = attend(p, 0, p.sk, block_m, block_n, counter or _tiles.NO_COUNTER)
+    O, L = attend(p, 0, p.sk, block_m, block_n, counter or _tiles.NO_COUNTER, dropout)
     return p.bshd(O), L
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, window_size=(-1, -1),
-             softcap=0.0, alibi_slopes=None, block_m=BLOCK_M, block_n=BLOCK_N, counter=None):
+             softcap=0.0, alibi_slopes=None, block_m=BLOCK_M, block_n=BLOCK_N, counter=None,
+             dropout=None):
     """Algorithm 2: recompute P from the LSE, block by block. Returns (dq, dk, dv).
 
     dout and out (b, sq, h, d) with q's dtype, lse (b, h, sq) as `forward` returned them; the other
@@ -118,8 +126,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, window_s
             io.read(Q_i, dO_i, dQ_i, L_i, D_i)
             S_ij, tanh = p.scores(Q_i, K_j, r0, c0)  # (b, h, Br, Bc)  line 10
             P_ij = torch.exp(S_ij - finite_or_zero(L_i)[..., None])  # (b, h, Br, Bc)  line 11
-            dV_j += P_ij.transpose(-1, -2) @ dO_i  # (b, h, Bc, d)  line 12
-            dP_ij = dO_i @ V_j.transpose(-1, -2)  # (b, h, Br, Bc)  line 13
+            Z_ij = 1.0 if dropout is None else dropout.keep(r0, r1, c0, c1, P_ij.device) * dropout.scale
+            dV_j += (P_ij * Z_ij).transpose(-1, -2) @ dO_i  # (b, h, Bc, d)  line 12
+            dP_ij = (dO_i @ V_j.transpose(-1, -2)) * Z_ij  # (b, h, Br, Bc)  line 13
             dS_ij = p.through_softcap(P_ij * (dP_ij - D_i[..., None]), tanh)  # (b, h, Br, Bc)  line 14
             dQ_new = dQ_i + p.scale * (dS_ij @ K_j)  # (b, h, Br, d)  line 15
             dQ[:, :, r0:r1] = dQ_new

@@ -104,7 +104,9 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
     """Attention with S and P materialised. Returns (out, lse).
 
     q (b, sq, h, d), k and v (b, sk, hk, d), any float dtype. dropout_mask (b, h, sq, sk) bool marks
-    the kept probabilities (scaled by 1 / (1 - dropout_p)). out is (b, sq, h, d) in compute_dtype
+    the kept probabilities, scaled as the kernels scale them (_checks.dropout_threshold: 1 / (1 - p)
+    to within 1e-5; reference.dropout.DropoutMask.full gives the kernels' mask). out is
+    (b, sq, h, d) in compute_dtype
     (the input dtype when None); lse is (b, h, sq), float32 (float64 when computing in float64),
     natural log, -inf on rows that see no key (their output is 0).
     """
@@ -114,7 +116,7 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
     s, ok, _ = _scores(qh, kh, scale, window, softcap, alibi_slopes, shape)
     p, lse = _softmax(s, ok)
     if dropout_mask is not None:
-        p = p * (dropout_mask.to(p.dtype) / (1.0 - dropout_p))
+        p = p * (dropout_mask.to(p.dtype) * _checks.dropout_threshold(dropout_p)[1])
     out = p.to(vh.dtype) @ vh  # (b, h, sq, d)
     return out.transpose(1, 2), lse
 
@@ -133,7 +135,7 @@ def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, window_s
     doh = dout.transpose(1, 2).to(qh.dtype)  # (b, h, sq, d)
     s, ok, tanh = _scores(qh, kh, scale, window, softcap, alibi_slopes, shape)
     p, _ = _softmax(s, ok)  # (b, h, sq, sk)
-    keep = 1.0 if dropout_mask is None else dropout_mask.to(p.dtype) / (1.0 - dropout_p)
+    keep = 1.0 if dropout_mask is None else dropout_mask.to(p.dtype) * _checks.dropout_threshold(dropout_p)[1]
     p_drop = p * keep
     out = p_drop.to(vh.dtype) @ vh  # (b, h, sq, d)
     dv = p_drop.to(doh.dtype).transpose(-1, -2) @ doh  # (b, h, sk, d)
