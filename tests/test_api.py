@@ -45,9 +45,12 @@ def test_bad_options(kwargs, match):
         flashtile.flash_attn_func(*qkv(), **kwargs)
 
 
-def test_dropout_is_refused_not_ignored():
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flashtile.flash_attn_func(*qkv(), dropout_p=0.1)
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.interpret), "reference"])
+def test_dropout_is_applied_not_ignored(backend):
+    """dropout_p > 0 drops probabilities (a different output from p = 0), never silently nothing."""
+    q, k, v = qkv()
+    with api.use_backend(backend):
+        assert not torch.equal(flashtile.flash_attn_func(q, k, v, dropout_p=0.5), flashtile.flash_attn_func(q, k, v))
 
 
 def test_dispatch_rule(monkeypatch):
@@ -144,19 +147,28 @@ def test_custom_ops_pass_opcheck():
     from flashtile import autograd
 
     q, k, v = qkv(1, 12, 15, 2, 1, 8, requires_grad=True)
-    torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, "reference"))
+    none_varlen = (None, None, 0, 0, None, None)
+    torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.0, None, *none_varlen,
+                                                   "reference"))
+    rng = torch.tensor([123, 456])  # dropout: the same seed tensor gives the same mask every call
+    torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.2, rng, *none_varlen,
+                                                   "reference"))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    qp, kp, vp = (t.detach()[0, :12].clone().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(autograd.attention_fwd, (qp, kp, vp, 0.3, None, 0, 0.0, None, 0.0, None, cu, cu, 7, 7,
+                                                   None, None, "reference"))
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpret)])
 def test_eager_function_matches_custom_op(backend):
     """Eager calls take autograd._Attention, torch.compile the custom op: same outputs and
-    gradients, bitwise (the same functions run underneath)."""
+    gradients, bitwise (the same functions run underneath; dropout with one seed tensor)."""
     from flashtile import autograd
 
     q, k, v = qkv(1, 20, 23, 2, 1, 16, dtype=torch.float16 if backend == "triton" else torch.float32,
                   requires_grad=True)
     dout = torch.randn(1, 20, 2, 16, dtype=q.dtype)
-    args = (q, k, v, 0.25, None, 0, 0.0, None, backend)
+    args = (q, k, v, 0.25, None, 0, 0.0, None, 0.3, torch.tensor([5, 6]), None, None, 0, 0, None, None, backend)
     results = []
     for fn in (autograd._Attention.apply, autograd.attention_fwd):
         out, lse = fn(*args)

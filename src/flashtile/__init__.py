@@ -7,11 +7,15 @@ from flashtile.api import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
     merge_attention_states,
     scaled_dot_product_attention,
     use_backend,
 )
 from flashtile.kvcache import KVCache, PagedKVCache
+from flashtile.padding import pad_input, unpad_input
 
 __version__ = "0.1.0"

@@ -60,33 +60,69 @@ def backend_for(t: torch.Tensor) -> str:
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _unsupported(dropout_p, name="dropout_p"):
-    dropout_p = _checks.check_dropout_p(dropout_p)
-    if dropout_p > 0:
-        raise NotImplementedError(
-            f"{name} > 0 is not implemented in flashtile's kernels yet (got {dropout_p}); "
-            "use dropout_p=0.0, or torch.nn.functional.scaled_dot_product_attention")
+def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=0.0, varlen=None):
+    """Checked inputs and a (left, right) window with None = unbounded -> (out, lse).
 
-
-def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes):
-    """Checked BSHD inputs and a (left, right) window with None = unbounded -> (out, lse)."""
+    Dropout draws its Philox seed from torch's generator of q's device here (so torch.manual_seed
+    reproduces a run; reference.dropout.draw_rng). A paged k/v that needs gradients is gathered
+    into contiguous keys first (a differentiable index: pages shared by sequences sum their
+    gradients), since the backward kernels read contiguous k/v."""
     backend = backend_for(q)
+    if varlen is not None and varlen.block_table is not None and torch.is_grad_enabled() and \
+            any(t.requires_grad for t in (q, k, v)):
+        k, v, varlen = _gather_pages(k, v, varlen)
+    rng = None
+    if dropout_p > 0:
+        from flashtile.reference.dropout import draw_rng
+
+        rng = draw_rng(q.device)
     with _device_guard(q):  # the backward runs on autograd's thread for q's device
         return autograd.attention(q, k, v, softmax_scale, window[0], window[1], softcap, alibi_slopes,
-                                  backend)
+                                  backend, dropout_p, rng, varlen)
 
 
-def _check_common(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
-    b, sq, sk, h, hk, d = _checks.check_qkv(q, k, v)
+def _gather_pages(k, v, varlen):
+    """Paged k/v (num_pages, page_size, hk, d) -> the keys of every sequence packed end to end
+    (total_k, hk, d), with the Varlen that describes them (one host read of the lengths)."""
+    used = varlen.seqused_k if varlen.seqused_k is not None else varlen.cu_seqlens_k.diff()
+    lengths = _checks.host_values(used)
+    if lengths is None:
+        raise RuntimeError("gradients through a paged k/v (block_table) need the sequence lengths on the "
+                           "host, which cannot be read under CUDA-graph capture or torch.compile")
+    page_size = k.shape[1]
+    device = k.device
+    n = torch.tensor(lengths, dtype=torch.int64, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), n)  # sequence of each key
+    starts = torch.cumsum(n, 0) - n
+    pos = torch.arange(int(sum(lengths)), device=device) - starts[seq]  # each key's position in it
+    rows = varlen.block_table[seq, pos // page_size].long() * page_size + pos % page_size
+    cu_k = torch.nn.functional.pad(torch.cumsum(n, 0), (1, 0)).to(torch.int32)
+    gathered = _checks.Varlen(varlen.cu_seqlens_q, cu_k, varlen.max_seqlen_q, varlen.max_seqlen_k)
+    return k.flatten(0, 1)[rows], v.flatten(0, 1)[rows], gathered
+
+
+def _check_options(q, b, h, d, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
+    """The options every prefill function shares -> (scale, window with None = unbounded, softcap,
+    dropout_p)."""
     if q.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"q, k, v must be float16, bfloat16 or float32, got {q.dtype}")
-    _unsupported(dropout_p)
+    dropout_p = _checks.check_dropout_p(dropout_p)
     scale = _checks.default_scale(softmax_scale, d)
     left, right = _checks.check_window(window_size, causal)
     softcap = _checks.check_softcap(softcap)
     _checks.check_alibi(alibi_slopes, b, h, q.device)
     window = (None if left < 0 else left, None if right < 0 else right)
-    return scale, window, softcap
+    return scale, window, softcap, dropout_p
+
+
+def _check_common(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
+    b, sq, sk, h, hk, d = _checks.check_qkv(q, k, v)
+    return _check_options(q, b, h, d, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+
+
+def _outputs(out, lse, return_attn_probs):
+    # S_dmask: flashtile never materialises the attention matrix, with or without dropout
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -97,7 +133,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32, any strides.
         k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0
             (MQA/GQA: query head i reads key/value head i // (nheads // nheads_k)).
-        dropout_p: must be 0.0 (dropout is not implemented yet; a clear error otherwise).
+        dropout_p: probability of dropping each attention probability (training only: pass 0.0 in
+            evaluation, as flash-attn). The mask comes from Philox in the kernel, seeded from
+            torch's generator of q's device, so torch.manual_seed reproduces it; the backward
+            regenerates the same mask; kept probabilities are scaled by 1 / (1 - dropout_p). CUDA
+            graphs replay fresh masks, as torch's own dropout. (Probabilities are dropped when 16
+            random bits fall below round(p * 2^16): within 2^-17 of p; the scale matches exactly.)
         softmax_scale: defaults to headdim ** -0.5.
         causal: bottom-right aligned causal mask. With seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0
@@ -108,33 +149,40 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 0 0
                 1 0
                 1 1
-        window_size: (left, right); query i sees keys j with
+        window_size: (left, right), a tuple, list or 2-element tensor of ints; query i sees keys j with
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = unbounded.
         softcap: > 0 caps scores as softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope * |i + seqlen_k - seqlen_q - j|.
         deterministic: accepted for flash-attn compatibility; the backward is always bitwise
-            reproducible (dQ has its own kernel, no atomics).
+            reproducible (dQ has its own kernel, no atomics), dropout included.
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.
-        softmax_lse (only with return_attn_probs): (batch, nheads, seqlen_q) float32, natural log;
-            -inf for a row that sees no key (flash-attn writes +inf there).
-        None (only with return_attn_probs): flashtile never materialises the attention matrix.
+        softmax_lse (only with return_attn_probs): (batch, nheads, seqlen_q) float32, natural log, of
+            the softmax before dropout; -inf for a row that sees no key (flash-attn writes +inf there).
+        None (only with return_attn_probs): flashtile never materialises the attention matrix, so
+            there is no S_dmask, with or without dropout (reference.dropout.DropoutMask rebuilds the
+            mask of a call for tests).
     """
-    scale, window, softcap = _check_common(q, k, v, softmax_scale, causal, window_size, softcap,
-                                           alibi_slopes, dropout_p)
-    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes)
-    return (out, lse, None) if return_attn_probs else out
+    scale, window, softcap, dropout_p = _check_common(q, k, v, softmax_scale, causal, window_size, softcap,
+                                                      alibi_slopes, dropout_p)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p)
+    return _outputs(out, lse, return_attn_probs)
+
+
+def _unpack(name: str, t, ndim: int, n: int, layout: str):
+    """The n tensors packed along dim -3 of t (qkv / kv), as strided views."""
+    _checks.check_tensor(name, t, ndim)
+    if t.shape[-3] != n:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+    return t.unbind(-3)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
     """`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim): q, k, v are read as strided views."""
-    _checks.check_tensor("qkv", qkv, 5)
-    if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
-    q, k, v = qkv.unbind(2)
+    q, k, v = _unpack("qkv", qkv, 5, 3, "(batch, seqlen, 3, nheads, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
 
@@ -143,12 +191,77 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim), read as strided views."""
-    _checks.check_tensor("kv", kv, 5)
-    if kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
-    k, v = kv.unbind(2)
+    k, v = _unpack("kv", kv, 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                           block_table=None, *, seqused_k=None):
+    """Exact attention over a packed batch of sequences of different lengths: flash-attn 2.x's
+    `flash_attn_varlen_func` (flashtile.padding turns a padded batch into one and back).
+
+    Arguments:
+        q: (total_q, nheads, headdim): every sequence's queries end to end; any strides.
+        k, v: (total_k, nheads_k, headdim), or with block_table the pages of a paged cache
+            (num_pages, page_size, nheads_k, headdim), page_size a multiple of 16.
+        cu_seqlens_q: (batch + 1,) int32 on q's device: sequence b's queries are rows
+            cu_seqlens_q[b]:cu_seqlens_q[b + 1]; starts at 0, non-decreasing, ends at total_q.
+        cu_seqlens_k: (batch + 1,) int32, the same for keys (ends at total_k). With block_table it
+            gives each sequence's key count only; it may then be None if seqused_k is given.
+        max_seqlen_q, max_seqlen_k: ints, at least every sequence's length (they size the grid).
+        dropout_p, softmax_scale, softcap, deterministic: as flash_attn_func.
+        causal, window_size: as flash_attn_func, aligned to each sequence's own bottom-right corner
+            (seqlen_q = its queries, seqlen_k = its keys). Sequences of length 0 are allowed; a
+            query that sees no key outputs 0.
+        alibi_slopes: (nheads,) or (batch, nheads) float32, per sequence.
+        block_table: optional (batch, max_pages) int32: key j of sequence b is row j % page_size of
+            page block_table[b, j // page_size] (chunked prefill and prefix caching over a paged
+            cache). Gradients through pages are supported (the pages are gathered first).
+        seqused_k: optional (batch,) int32, keyword: sequence b attends only its first
+            seqused_k[b] keys (FlashAttention-3 / vLLM); the other keys get zero gradients.
+    Returns:
+        out: (total_q, nheads, headdim), q's dtype.
+        softmax_lse (only with return_attn_probs): (nheads, total_q) float32, natural log.
+        None (only with return_attn_probs): no attention matrix, as flash_attn_func.
+
+    Checks: shapes, dtypes, devices always; the values of cu_seqlens (from 0, non-decreasing, the
+    last entry equal to the packed total), max_seqlen (not below any length), seqused_k and the
+    pages a sequence reads, on the host: a CUDA cu_seqlens is read once per tensor and version
+    (one sync per batch when every layer gets the same tensor), and not at all under CUDA-graph
+    capture, where the kernels clamp every index to the tensors they were given (a wrong table
+    then gives wrong rows, never a read or write outside them).
+    """
+    varlen = _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                  block_table)
+    h, d = q.shape[1:]
+    scale, window, softcap, dropout_p = _check_options(q, varlen.batch, h, d, softmax_scale, causal, window_size,
+                                                       softcap, alibi_slopes, dropout_p)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, varlen)
+    return _outputs(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                     deterministic=False, return_attn_probs=False):
+    """`flash_attn_varlen_func` on qkv (total, 3, nheads, headdim), one cu_seqlens for q and k."""
+    q, k, v = _unpack("qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """`flash_attn_varlen_func` with kv (total_k, 2, nheads_k, headdim)."""
+    k, v = _unpack("kv", kv, 4, 2, "(total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -156,12 +269,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch.nn.functional.scaled_dot_product_attention's layout and semantics, on flashtile.
 
     query (..., L, E) with L = target length, key/value (..., S, E); 4-D (batch, heads, L, E) runs
-    the flashtile kernels. `is_causal` is top-left aligned, as in torch (query i sees keys j <= i).
-    With `enable_gqa`, query heads may be a multiple of key/value heads.
-    An `attn_mask` or `dropout_p > 0` is handed to torch's own SDPA unchanged (flashtile has no
-    arbitrary-mask or dropout kernel), so results are always torch's, never a silently wrong mask.
+    the flashtile kernels, dropout included (flashtile's Philox mask, drawn from torch's generator
+    as flash_attn_func does). `is_causal` is top-left aligned, as in torch (query i sees keys
+    j <= i). With `enable_gqa`, query heads may be a multiple of key/value heads.
+    An `attn_mask` is handed to torch's own SDPA unchanged (flashtile has no arbitrary-mask kernel),
+    so results are always torch's, never a silently wrong mask.
     """
-    if attn_mask is not None or float(dropout_p) > 0 or query.dim() != 4:
+    if attn_mask is not None or query.dim() != 4:
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
@@ -173,7 +287,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          f"got {key.shape[1]}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BHLE -> BSHD views
     sq, sk = q.shape[1], k.shape[1]
-    scale_, window, softcap = _check_common(q, k, v, scale, False, (-1, -1), 0.0, None, 0.0)
+    scale_, window, softcap, dropout_p = _check_common(q, k, v, scale, False, (-1, -1), 0.0, None, dropout_p)
     if is_causal:
         # top-left: query i sees keys j <= i. With sq <= sk no query sees past key sq - 1, so that
         # is bottom-right causal over the first sq keys; with sq > sk it is a window right = sq - sk.
@@ -181,7 +295,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             k, v, window = k[:, :sq], v[:, :sq], (None, 0)
         else:
             window = (None, sq - sk)
-    out, _ = _attention(q, k, v, scale_, window, softcap, None)
+    out, _ = _attention(q, k, v, scale_, window, softcap, None, dropout_p)
     return out.transpose(1, 2)
 
 

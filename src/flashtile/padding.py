@@ -1,0 +1,62 @@
+"""Between padded batches and packed sequences: flash-attn's bert_padding helpers, with autograd.
+
+A padded batch (batch, seqlen, ...) with an attention_mask (batch, seqlen) of 1 for real tokens
+becomes the packed rows flash_attn_varlen_func takes, and back:
+
+    x_packed, indices, cu_seqlens, max_seqlen, seqused = unpad_input(x, attention_mask)
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    out_padded = pad_input(out, indices, batch, seqlen)        # zeros at the padding
+
+Left and right padding work alike: only the mask's ones are kept, in order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_mask(name: str, mask, shape) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape (batch, seqlen) = {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name} must be bool or integer (1 = a real token), got {mask.dtype}")
+    return mask.bool()
+
+
+def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
+    """Keep the rows the mask marks, packed sequence after sequence.
+
+    Arguments:
+        hidden_states: (batch, seqlen, ...).
+        attention_mask: (batch, seqlen) bool or int, 1 (True) for tokens that attend and are attended.
+        unused_mask: optional (batch, seqlen): tokens kept in the packed rows but not attended
+            (flash-attn >= 2.7's argument; their keys fall outside seqused).
+    Returns:
+        hidden_states[mask]: (total, ...), differentiable;
+        indices: (total,) int64, each kept row's position in the flattened (batch * seqlen) rows;
+        cu_seqlens: (batch + 1,) int32 offsets of the sequences in the packed rows;
+        max_seqlen: int, the longest sequence (one host read of the lengths);
+        seqused: (batch,) int32, the attended tokens of each sequence (= its length without
+            unused_mask).
+    """
+    batch, seqlen = hidden_states.shape[:2]
+    mask = _check_mask("attention_mask", attention_mask, (batch, seqlen))
+    keep = mask if unused_mask is None else mask | _check_mask("unused_mask", unused_mask, (batch, seqlen))
+    seqused = mask.sum(-1, dtype=torch.int32)
+    lengths = keep.sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(lengths.max()) if batch else 0
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return hidden_states.flatten(0, 1).index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
+
+
+def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """The inverse of unpad_input: packed rows (total, ...) -> (batch, seqlen, ...), zeros at the
+    positions indices does not name; differentiable (the gradient reads the named rows back)."""
+    if indices.dim() != 1 or indices.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"indices must have shape ({hidden_states.shape[0]},) (one per packed row), got "
+                         f"{tuple(indices.shape)}")
+    out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
+    return out.index_copy(0, indices, hidden_states).unflatten(0, (batch, seqlen))
