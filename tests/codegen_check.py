@@ -1,11 +1,12 @@
 """Compile the prefill kernels for sm_90 on the CPU and count their global loads/stores by width.
 
-    python tests/codegen_check.py KERNEL D [BLOCKS]    (prints JSON)
+    python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
 computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
 or dQ, 32,128,128,32,4,3 (dK/dV rows and keys, dQ rows and keys, warps, stages) for the backward.
-With --regs it also reports registers and spill bytes per thread from ptxas -v.
+With --regs it also reports registers and spill bytes per thread from ptxas -v. --flags sets
+constexprs, e.g. IS_VARLEN=1,HAS_DROPOUT=1,PAGE_SIZE=16 (their tensors become pointers).
 
 Triton compiles for a GPU target without a GPU (ptxas and cuobjdump ship in the triton wheel), so
 properties of the generated code can be tested in CI. The arguments mirror a bf16 launch on
@@ -44,10 +45,14 @@ PARTS = {"dkdv": dict(DKDV=True, DQ=False), "dq": dict(DKDV=False, DQ=True),
          "dq-tma": dict(DKDV=False, DQ=True), "backward-tma": dict(DKDV=True, DQ=True)}
 DESCRIPTORS = ("Q_desc", "dO_desc", "K_desc", "V_desc")
 FP32_POINTERS = ("Lse", "Delta")
-FLOATS = ("qk_scale", "softcap", "softmax_scale")
+INT_POINTERS = {"CuSeqQ": "*i32", "CuSeqK": "*i32", "SeqUsedK": "*i32", "BlockTable": "*i32", "Rng": "*i64"}
+FLOATS = ("qk_scale", "softcap", "softmax_scale", "dropout_scale")
+# the optional tensors each flag reads: absent (constexpr None) unless the flag is on
+FLAG_TENSORS = {"IS_VARLEN": ("CuSeqQ", "CuSeqK"), "HAS_SEQUSED": ("SeqUsedK",), "PAGE_SIZE": ("BlockTable",),
+                "HAS_DROPOUT": ("Rng",)}
 
 
-def compile_sm90(name: str, d: int, blocks=None):
+def compile_sm90(name: str, d: int, blocks=None, flags=None):
     kernel, default, fields = KERNELS[name]
     blocks = tuple(blocks or default)
     names = [p.name for p in kernel.params]
@@ -56,6 +61,11 @@ def compile_sm90(name: str, d: int, blocks=None):
                  HAS_ALIBI=False, EVEN_D=d == block_d, DOT_PRECISION="ieee", stride_slope_b=0,
                  stride_slope_h=0, **PARTS[name])
     const.update({field: blocks[i] for field, i in fields.items()})
+    flags = {**dict(IS_VARLEN=False, HAS_SEQUSED=False, PAGE_SIZE=0, HAS_DROPOUT=False), **(flags or {})}
+    const.update({n: v for n, v in flags.items() if n in names})
+    for flag, tensors in FLAG_TENSORS.items():
+        if not flags[flag]:
+            const.update({t: None for t in tensors})
     const.update({n: 1 for n in names if n.startswith("stride_") and n.endswith("d")})
     tma = name.endswith("-tma")
     if "HEAD_CHUNK" in names:
@@ -76,6 +86,9 @@ def compile_sm90(name: str, d: int, blocks=None):
             signature[pname] = f"tensordesc<bf16[1,{descriptors[pname]},1,{block_d}]>"
         elif pname in const:
             signature[pname] = "constexpr"
+        elif pname in INT_POINTERS:
+            signature[pname] = INT_POINTERS[pname]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif pname[0].isupper() or pname in ("dO", "dK", "dV", "dQ"):
             signature[pname] = "*fp32" if pname in FP32_POINTERS else "*bf16"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -124,8 +137,15 @@ def global_memory_ops(compiled) -> dict:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--regs"]
-    compiled = compile_sm90(args[0], int(args[1]), [int(x) for x in args[2].split(",")] if len(args) > 2 else None)
+    argv = sys.argv[1:]
+    flags = {}
+    if "--flags" in argv:
+        i = argv.index("--flags")
+        flags = {n: (int(x) if n == "PAGE_SIZE" else bool(int(x))) for n, x in (f.split("=") for f in argv[i + 1].split(","))}
+        argv = argv[:i] + argv[i + 2:]
+    args = [a for a in argv if a != "--regs"]
+    compiled = compile_sm90(args[0], int(args[1]), [int(x) for x in args[2].split(",")] if len(args) > 2 else None,
+                            flags)
     report = global_memory_ops(compiled)
     if "--regs" in sys.argv:
         report.update(registers(compiled))

@@ -15,7 +15,8 @@ CEILINGS = {"copy_GBps": 3000.0, "matmul_bf16_TFLOPs": 700.0}
 
 def _prefill_args(**kw):
     args = dict(dtype="bfloat16", peers=["flashtile", "sdpa-flash", "cudnn"],
-                headdims=[64], seqlens=[1024], tokens=4096, flex_headdims=[128], flex_seqlens=[2048])
+                headdims=[64], seqlens=[1024], tokens=4096, flex_headdims=[128], flex_seqlens=[2048],
+                sections=["dense"], dropout_p=0.1, dropout_seqlens=[1024], varlen_lengths=[128, 4096])
     args.update(kw)
     return argparse.Namespace(**args)
 
@@ -64,6 +65,35 @@ def test_prefill_rows_flops_failures_and_partial_file(tmp_path, monkeypatch):
         assert r["bwd_tflops"] == pytest.approx(2.5 * f / 4.0e-3 / 1e12)
     with open(path) as f:
         assert len(json.load(f)["rows"]) == 6
+
+
+def test_prefill_dropout_section_rows(tmp_path, monkeypatch):
+    """p = 0 and p = args.dropout_p rows for flashtile and SDPA-flash, the ratio on the second."""
+    times = {}
+
+    def fake_measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
+        return (2.0, 4.0, 10.0, None) if not times.setdefault(len(times), len(times) % 2) else (2.5, 5.0, 10.0, None)
+
+    monkeypatch.setattr(prefill, "measure", fake_measure)
+    monkeypatch.setattr(prefill, "_with_dropout", lambda name, p: (name, p))
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    result = prefill.run(_prefill_args(sections=["dropout"]), str(tmp_path / "prefill.json"))
+    rows = result["rows"]
+    assert len(rows) == 8 and {r["section"] for r in rows} == {"dropout"}
+    ratios = [r["fwd_bwd_vs_no_dropout"] for r in rows if "fwd_bwd_vs_no_dropout" in r]
+    assert ratios == [pytest.approx(1.25)] * 4
+    table = prefill._section_summary(result)
+    assert "| 0.1 | flashtile | 64 | no | 1024 | 1.250x |" in table
+
+
+def test_varlen_lengths_and_interpolation():
+    lengths = prefill.varlen_lengths(16384, 128, 4096)
+    assert sum(lengths) == 16384 and all(1 <= n <= 4096 for n in lengths) and min(lengths[:-1]) >= 128
+    assert prefill.varlen_lengths(16384, 128, 4096) == lengths  # seeded
+    points = {128: 100.0, 256: 200.0, 1024: 300.0}
+    assert prefill._interp_log2(points, 181) == pytest.approx(100.0 + 100.0 * 0.5, rel=1e-2)
+    assert prefill._interp_log2(points, 512) == pytest.approx(250.0)
+    assert prefill._interp_log2(points, 64) == 100.0 and prefill._interp_log2(points, 4096) == 300.0
 
 
 def test_prefill_no_plot_writes_table_only(tmp_path, capsys):

@@ -8,6 +8,10 @@ against SDPA-flash before it is timed. FLOPs: forward 4*b*h*s*s*d (half when cau
     python -m flashtile.bench.prefill --out benchmarks/results/h100
 writes prefill.json there (rewritten after every row) and prefill.md; `--plot-only` redraws
 prefill.png / prefill_memory.png from the json, `--no-plot` skips them.
+
+Sections (`--sections`, default all): `dense` (the grid above), `varlen` (a packed batch of mixed
+lengths against the same tokens padded and run dense, and against the ideal: each sequence at the
+dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flashtile and SDPA-flash).
 """
 
 from __future__ import annotations
@@ -109,15 +113,158 @@ def measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
     return fwd, bwd, peak, err
 
 
+def varlen_lengths(tokens: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """Sequence lengths drawn uniformly from [lo, hi] (seeded) until they sum to `tokens`; the last
+    one takes what is left."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), tokens - sum(lengths)))
+    return lengths
+
+
+def _interp_log2(points: dict, x: float) -> float:
+    """Piecewise-linear interpolation of {length: value} in log2(length), clamped at the ends."""
+    import math
+
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if x <= b:
+            t = (math.log2(x) - math.log2(a)) / (math.log2(b) - math.log2(a))
+            return points[a] + t * (points[b] - points[a])
+    return points[xs[-1]]
+
+
+def run_varlen(args, dtype, result, path):
+    """A packed batch (args.tokens tokens, lengths from args.varlen_lengths, causal, d=128) through
+    flash_attn_varlen_func, against (a) the same sequences padded to the longest and run dense by
+    flashtile and SDPA-flash, (b) the ideal: every sequence at the dense kernel's TFLOP/s for its
+    length (measured at powers of two, interpolated in log2(length)). TFLOP/s count useful FLOPs."""
+    import flashtile
+
+    impls = implementations(["flashtile", "sdpa-flash"])
+    d, causal = 128, True
+    h = 2048 // d
+    lo, hi = args.varlen_lengths
+    lengths = varlen_lengths(args.tokens, lo, hi)
+    total, n, longest = sum(lengths), len(lengths), max(lengths)
+    useful = sum(flops(1, h, L, d, causal) for L in lengths)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(total, h, d, device="cuda", dtype=dtype)
+
+    def varlen():
+        return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+
+    out = varlen()
+    fwd = harness.bench_ms(varlen)
+    bwd = harness.bench_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    base = dict(section="varlen", d=d, causal=causal, tokens=total, sequences=n, longest=longest,
+                lengths=f"{lo}-{hi}", useful_tflop=useful * 1e-12)
+    row = dict(base, impl="flashtile-varlen", fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=useful / fwd * 1e-9,
+               bwd_tflops=2.5 * useful / bwd * 1e-9)
+    del out
+    for name, fn in impls.items():  # the same sequences padded to the longest, dense
+        f_fwd, f_bwd, peak, _ = measure(fn, n, longest, h, d, causal, dtype)
+        result["rows"].append(dict(base, impl=f"{name}-padded", fwd_ms=f_fwd, bwd_ms=f_bwd,
+                                   fwd_tflops=useful / f_fwd * 1e-9, bwd_tflops=2.5 * useful / f_bwd * 1e-9,
+                                   peak_mem_mb=peak))
+        row[f"speedup_vs_{name}_padded"] = (f_fwd + f_bwd) / (fwd + bwd)
+        print(f"{name}-padded: fwd {f_fwd:.3f} ms bwd {f_bwd:.3f} ms")
+    dense = {}  # length -> (fwd, bwd) TFLOP/s of the dense kernel, args.tokens tokens per call
+    L = lo
+    while True:
+        L2 = min(L, hi)
+        f_fwd, f_bwd, _, _ = measure(impls["flashtile"], max(1, args.tokens // L2), L2, h, d, causal, dtype)
+        f = flops(max(1, args.tokens // L2), h, L2, d, causal)
+        dense[L2] = (f / f_fwd * 1e-9, 2.5 * f / f_bwd * 1e-9)
+        if L2 >= hi:
+            break
+        L *= 2
+    ideal_fwd = sum(flops(1, h, x, d, causal) / (_interp_log2({a: b[0] for a, b in dense.items()}, x) * 1e9)
+                    for x in lengths)
+    ideal_bwd = sum(2.5 * flops(1, h, x, d, causal) / (_interp_log2({a: b[1] for a, b in dense.items()}, x) * 1e9)
+                    for x in lengths)
+    row.update(ideal_fwd_tflops=useful / ideal_fwd * 1e-9, ideal_bwd_tflops=2.5 * useful / ideal_bwd * 1e-9,
+               fwd_vs_ideal=ideal_fwd / fwd, bwd_vs_ideal=ideal_bwd / bwd,
+               dense_tflops_by_length={str(a): b for a, b in dense.items()})
+    result["rows"].append(row)
+    print(f"varlen: {n} sequences, fwd {row['fwd_tflops']:.0f} TFLOP/s ({row['fwd_vs_ideal']:.2f} of ideal), "
+          f"bwd {row['bwd_tflops']:.0f} ({row['bwd_vs_ideal']:.2f}), "
+          f"{row['speedup_vs_sdpa-flash_padded']:.2f}x SDPA-flash padded")
+    if path:
+        harness.write_result(path, result, quiet=True)
+
+
+def _with_dropout(name: str, p: float):
+    """(q, k, v, causal) -> out of flashtile or SDPA-flash with dropout_p = p."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashtile
+
+    if name == "flashtile":
+        return lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=causal)
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, dropout_p=p)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def run_dropout(args, dtype, result, path):
+    """flashtile and SDPA-flash with dropout_p = args.dropout_p and 0 at args.dropout_seqlens."""
+    for d in args.headdims:
+        if d > 128:
+            continue
+        for causal in (False, True):
+            for seqlen in args.dropout_seqlens:
+                batch, nheads = args.tokens // seqlen, 2048 // d
+                f = flops(batch, nheads, seqlen, d, causal)
+                for name in ("flashtile", "sdpa-flash"):
+                    times = {}
+                    for p in (0.0, args.dropout_p):
+                        fwd, bwd, peak, _ = measure(_with_dropout(name, p), batch, seqlen, nheads, d, causal, dtype)
+                        times[p] = fwd + bwd
+                        result["rows"].append(dict(section="dropout", impl=name, dropout_p=p, d=d, causal=causal,
+                                                   seqlen=seqlen, batch=batch, nheads=nheads, fwd_ms=fwd,
+                                                   bwd_ms=bwd, fwd_tflops=f / fwd * 1e-9,
+                                                   bwd_tflops=2.5 * f / bwd * 1e-9, peak_mem_mb=peak))
+                    result["rows"][-1]["fwd_bwd_vs_no_dropout"] = times[args.dropout_p] / times[0.0]
+                    print(f"dropout {name:10s} d={d} causal={causal:d} s={seqlen}: fwd+bwd "
+                          f"{times[0.0]:.3f} -> {times[args.dropout_p]:.3f} ms "
+                          f"({times[args.dropout_p] / times[0.0]:.3f}x)")
+                    if path:
+                        harness.write_result(path, result, quiet=True)
+
+
 def run(args, path: str | None = None) -> dict:
-    """Every (d, causal, seqlen, peer) row; with `path`, the result file is rewritten after each row
-    ("complete": false until the end), so a run stopped by a time limit still leaves its rows."""
+    """Every (d, causal, seqlen, peer) row of the sections asked for; with `path`, the result file
+    is rewritten after each row ("complete": false until the end), so a run stopped by a time limit
+    still leaves its rows."""
     dtype = getattr(torch, args.dtype)
-    impls = implementations(args.peers)
-    ref = impls.get("sdpa-flash")
     rows = []
     result = {"env": harness.environment(), "ceilings": harness.ceilings(), "dtype": args.dtype,
               "tokens": args.tokens, "complete": False, "rows": rows}
+    if "varlen" in args.sections:
+        run_varlen(args, dtype, result, path)
+    if "dropout" in args.sections:
+        run_dropout(args, dtype, result, path)
+    if "dense" in args.sections:
+        run_dense(args, dtype, result, path)
+    result["complete"] = True
+    return result
+
+
+def run_dense(args, dtype, result, path):
+    """The (d, causal, seqlen, peer) grid of the module docstring."""
+    impls = implementations(args.peers)
+    ref = impls.get("sdpa-flash")
+    rows = result["rows"]
     for d in args.headdims:
         for causal in (False, True):
             for seqlen in args.seqlens:
@@ -143,8 +290,11 @@ def run(args, path: str | None = None) -> dict:
                           f"  bwd {row['bwd_tflops']:6.1f} TFLOP/s  mem {peak:8.1f} MB  err {err}")
                     if path:
                         harness.write_result(path, result, quiet=True)
-    result["complete"] = True
-    return result
+
+
+def dense_rows(data: dict) -> list:
+    """The dense grid's rows (files written before the sections existed have only those)."""
+    return [r for r in data["rows"] if r.get("section", "dense") == "dense" and "error" not in r]
 
 
 def plot(json_path: str, out_dir: str) -> list[str]:
@@ -155,7 +305,7 @@ def plot(json_path: str, out_dir: str) -> list[str]:
 
     with open(json_path) as f:
         data = json.load(f)
-    rows = [r for r in data["rows"] if "error" not in r]
+    rows = dense_rows(data)
     ds = sorted({r["d"] for r in rows})
     if not ds:  # every row failed (or none ran yet): nothing to draw
         return []
@@ -212,7 +362,7 @@ def summary(json_path: str) -> str:
     """Markdown table from prefill.json: flashtile against SDPA-flash (FA2) and cuDNN, as ratios."""
     with open(json_path) as f:
         data = json.load(f)
-    idx = {(r["impl"], r["d"], r["causal"], r["seqlen"]): r for r in data["rows"] if "error" not in r}
+    idx = {(r["impl"], r["d"], r["causal"], r["seqlen"]): r for r in dense_rows(data)}
     lines = ["| d | causal | seqlen | fwd flashtile / FA2 / cuDNN (TFLOP/s) | fwd vs FA2 | fwd vs cuDNN "
              "| bwd flashtile / FA2 / cuDNN | bwd vs FA2 | bwd vs cuDNN | peak MB flashtile / FA2 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -227,11 +377,33 @@ def summary(json_path: str) -> str:
                       f"{r[key] / fa2[key]:.2f}x", f"{r[key] / cudnn[key]:.2f}x"]
         cells.append(f"{r['peak_mem_mb']:.0f} / {fa2['peak_mem_mb']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _section_summary(data)
     env = data["env"]
     lines.append(f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
                  f"`{env['command']}`; ceilings: copy {data['ceilings']['copy_GBps']:.0f} GB/s, "
                  f"bf16 matmul {data['ceilings']['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
     return "\n".join(lines) + "\n"
+
+
+def _section_summary(data: dict) -> list[str]:
+    """Markdown lines for the varlen and dropout rows."""
+    lines = []
+    for r in data["rows"]:
+        if r.get("section") == "varlen" and r["impl"] == "flashtile-varlen":
+            lines += ["", f"Varlen: {r['sequences']} sequences of {r['lengths']} tokens ({r['tokens']} in all, "
+                      f"longest {r['longest']}), causal, d={r['d']}: fwd {r['fwd_tflops']:.0f} / bwd "
+                      f"{r['bwd_tflops']:.0f} TFLOP/s of useful FLOPs; ideal (each sequence at the dense kernel's "
+                      f"rate for its length) {r['ideal_fwd_tflops']:.0f} / {r['ideal_bwd_tflops']:.0f}: "
+                      f"{r['fwd_vs_ideal']:.2f} / {r['bwd_vs_ideal']:.2f} of ideal. fwd + bwd against the "
+                      f"padded batch run dense: {r['speedup_vs_flashtile_padded']:.2f}x flashtile, "
+                      f"{r['speedup_vs_sdpa-flash_padded']:.2f}x SDPA-flash."]
+    drop = [r for r in data["rows"] if r.get("section") == "dropout" and "fwd_bwd_vs_no_dropout" in r]
+    if drop:
+        lines += ["", "| dropout p | impl | d | causal | seqlen | fwd + bwd vs p = 0 |", "|---|---|---|---|---|---|"]
+        for r in drop:
+            lines.append(f"| {r['dropout_p']} | {r['impl']} | {r['d']} | {'yes' if r['causal'] else 'no'} | "
+                         f"{r['seqlen']} | {r['fwd_bwd_vs_no_dropout']:.3f}x |")
+    return lines
 
 
 def _ints(s):
@@ -249,6 +421,10 @@ def main(argv=None) -> None:
     p.add_argument("--flex-headdims", type=_ints, default=[128],
                    help="FlexAttention compiles per shape; limit it to these head dims")
     p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["dense", "varlen", "dropout"])
+    p.add_argument("--varlen-lengths", type=_ints, default=[128, 4096], help="lo,hi of the varlen section's lengths")
+    p.add_argument("--dropout-p", type=float, default=0.1)
+    p.add_argument("--dropout-seqlens", type=_ints, default=[4096])
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true",
                    help="write prefill.json and prefill.md only (redraw later with --plot-only)")
