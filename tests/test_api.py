@@ -168,10 +168,11 @@ def test_eager_function_matches_custom_op(backend):
     q, k, v = qkv(1, 20, 23, 2, 1, 16, dtype=torch.float16 if backend == "triton" else torch.float32,
                   requires_grad=True)
     dout = torch.randn(1, 20, 2, 16, dtype=q.dtype)
-    args = (q, k, v, 0.25, None, 0, 0.0, None, 0.3, torch.tensor([5, 6]), None, None, 0, 0, None, None, backend)
+    args = (q, k, v, 0.25, None, 0, 0.0, None)
+    rng = torch.tensor([5, 6])
     results = []
-    for fn in (autograd._Attention.apply, autograd.attention_fwd):
-        out, lse = fn(*args)
+    for out, lse in (autograd._Attention.apply(*args, (0.3, rng, autograd._NO_EXTRA[2]), backend),
+                     autograd.attention_fwd(*args, 0.3, rng, None, None, 0, 0, None, None, backend)):
         results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
     for a, b in zip(*results):
         assert torch.equal(a, b)

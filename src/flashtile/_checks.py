@@ -81,6 +81,9 @@ def check_int(name: str, x, minimum: int = 0) -> int:
 def check_window(window_size, causal: bool) -> tuple[int, int]:
     """Normalise (left, right): -1 means unbounded; causal forces right = 0. A tuple, a list or a
     2-element tensor of ints, as flash-attn accepts."""
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
+            and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1:
+        return window_size[0], (0 if causal else window_size[1])  # the common case, on every call's host path
     if isinstance(window_size, torch.Tensor):
         if window_size.numel() != 2:
             raise ValueError(f"window_size must be a pair (left, right), got a tensor of shape "
@@ -115,6 +118,8 @@ def check_alibi(alibi_slopes, b: int, h: int, device) -> None:
 
 
 def check_dropout_p(dropout_p: float) -> float:
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:
+        return dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, torch.Tensor)) and \
             not hasattr(dropout_p, "__float__"):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")

@@ -37,7 +37,7 @@ from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
                                    dropout_seed, head_chunked_order, head_dim_mask, in_window,
                                    kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds, visible)
-from flashtile.ops.forward import dropout_args, layout, varlen_args
+from flashtile.ops.forward import dropout_args, grid_lengths, seq_strides, varlen_args
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -446,9 +446,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     if varlen is not None and varlen.seqused_k is not None:  # no program writes keys past seqused_k
         dk.zero_()
         dv.zero_()
-    b, sq, sk, q_strides, k_strides = layout(q, k, varlen)
-    strides = [layout(t, k, varlen)[3] for t in (dout, out, dq)] + [layout(q, t, varlen)[4] for t in (v, dk, dv)]
-    do_strides, o_strides, dq_strides, v_strides, dk_strides, dv_strides = strides
+    b, sq, sk = grid_lengths(q, k, varlen)
+    packed = varlen is not None
     vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     block_d = configs.padded_headdim(d)
@@ -465,18 +464,18 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
         rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
         launch(_delta_kernel, (cdiv(rows, pre.block_m), n * h), (out, dout, delta),
-               (*o_strides, *do_strides, h, rows, d), pre.num_warps, pre.num_stages,
+               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, d), pre.num_warps, pre.num_stages,
                BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
 
     # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
     # programs stream Q and dO, dQ programs K and V
-    packed = varlen is not None
     dkdv_descs = _descriptors((q, dout), cfg.dkdv.block_m, block_d, packed) if cfg.dkdv_tma else (None, None)
     dq_descs = _descriptors((k, v), cfg.dq.block_n, block_d, packed) if cfg.dq_tma else (None, None)
     tensors = (q, k, v, dout, out, lse, delta, dq, dk, dv, alibi_slopes, *dkdv_descs, *dq_descs,
                *vl_tensors[:3], rng)
-    scalars = (*q_strides, *k_strides, *v_strides, *do_strides, *o_strides, *dq_strides, *dk_strides,
-               *dv_strides, *alibi_strides(alibi_slopes), b, h, hk, sq, sk, total_q, total_k,
+    strides = tuple(st for t in (q, k, v, dout, out, dq, dk, dv) for st in seq_strides(t, packed)) if packed else \
+        (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *out.stride(), *dq.stride(), *dk.stride(), *dv.stride())
+    scalars = (*strides, *alibi_strides(alibi_slopes), b, h, hk, sq, sk, total_q, total_k,
                left or 0, right or 0, qk_scale, softcap, softmax_scale, threshold, dropout_scale, d)
     flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
                  BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,

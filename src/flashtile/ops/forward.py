@@ -162,24 +162,28 @@ def _fwd_kernel(
     tl.store(lse_ptrs, lse, mask=offs_m < sq)
 
 
-def layout(q, k, varlen) -> tuple:
-    """(batch, rows and keys per sequence for the grid and masks, the strides of a q-like and a
-    k-like tensor) for ops.forward and ops.backward: dense BSHD as given; varlen (total, heads, d)
-    tensors read with a batch stride of 0 (seq_bounds moves to each sequence's first row); pages
-    (num_pages, page_size, heads, d) with the page stride in the batch slot. LSE-shaped tensors
-    are contiguous (ops._common.lse_row_base)."""
+def seq_strides(t, packed: bool) -> tuple:
+    """Strides of a BSHD tensor, or of a packed (total, heads, d) one with a batch stride of 0
+    (seq_bounds moves each sequence to its first row). Pages (num_pages, page_size, heads, d) keep
+    theirs: the page stride sits in the batch slot. Plain tuples: this is on every call's host path."""
+    return (0, *t.stride()) if packed else t.stride()
+
+
+def grid_lengths(q, k, varlen) -> tuple:
+    """(batch, rows, keys) that size the grid: the tensors' for a dense batch, the number of
+    sequences and the longest ones for a packed batch."""
     if varlen is None:
-        b, sq = q.shape[:2]
-        return b, sq, k.shape[1], tuple(q.stride()), tuple(k.stride())
-    qs = (0, *q.stride())
-    ks = tuple(k.stride()) if varlen.block_table is not None else (0, *k.stride())
-    return varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k, qs, ks
+        return q.shape[0], q.shape[1], k.shape[1]
+    return varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+
+
+_DENSE_ARGS = ((None, None, None, None), (0, 0, 0, 0, 0), dict(IS_VARLEN=False, HAS_SEQUSED=False, PAGE_SIZE=0))
 
 
 def varlen_args(q, k, varlen) -> tuple:
     """(tensors, scalars, constexprs) that every prefill kernel takes for a packed/paged batch."""
     if varlen is None:
-        return (None, None, None, None), (0, 0, 0, 0, 0), dict(IS_VARLEN=False, HAS_SEQUSED=False, PAGE_SIZE=0)
+        return _DENSE_ARGS
     table = varlen.block_table
     paged = table is not None
     total_k = table.shape[1] * k.shape[1] if paged else k.shape[0]
@@ -215,9 +219,13 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse_shape = (q.shape[0], h, q.shape[1]) if varlen is None else (h, q.shape[0])
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    b, sq, sk, q_strides, k_strides = layout(q, k, varlen)
-    o_strides = layout(out, k, varlen)[3]
-    v_strides = layout(q, v, varlen)[4]
+    b, sq, sk = grid_lengths(q, k, varlen)
+    if varlen is None:
+        strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
+    else:
+        packed_kv = varlen.block_table is None
+        strides = (*seq_strides(q, True), *seq_strides(k, packed_kv), *seq_strides(v, packed_kv),
+                   *seq_strides(out, True))
     vl_tensors, (stride_tb, total_q, total_k, max_pages, num_pages), vl_flags = varlen_args(q, k, varlen)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     cfg = configs.forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk)
@@ -227,7 +235,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     if b * sq == 0:
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng),
-           (*q_strides, *k_strides, *v_strides, *o_strides, *alibi_strides(alibi_slopes),
+           (*strides, *alibi_strides(alibi_slopes),
             stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
             qk_scale, softcap, threshold, dropout_scale, d),
            cfg.num_warps, cfg.num_stages,
