@@ -162,3 +162,16 @@ def test_varlen_autograd_end_to_end():
     assert probs is None and lse.shape == (8, sum(lens))
     out.backward(torch.randn_like(out))
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_varlen_inference_mode():
+    """Serving code builds cu_seqlens under torch.inference_mode(): such tensors have no version
+    counter, so their values are read every call instead of cached."""
+    with torch.inference_mode():
+        lens = [100, 0, 37]
+        cu = offsets(lens, "cuda")
+        q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 100, 100, causal=True)
+        ref = torch.cat([flashtile.flash_attn_func(q[None, a:b], k[None, a:b], v[None, a:b], causal=True)[0]
+                         for a, b in zip([0, 100, 100], [100, 100, 137])])
+        torch.testing.assert_close(out, ref)

@@ -208,3 +208,110 @@ def test_varlen_lse_layout_and_packed_forms():
     assert probs is None and lse.shape == (4, 14) and lse.dtype == torch.float32
     out2 = flashtile.flash_attn_varlen_kvpacked_func(q, torch.stack((k, v), 1), cu_q, cu_k, mq, mk)
     torch.testing.assert_close(out, out2)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_no_query_rows_give_zero_key_gradients(backend):
+    """q with no rows (dense seqlen_q = 0, or every sequence empty on the q side): dk and dv are
+    zeros, not the unwritten contents of a fresh buffer."""
+    k, v = (torch.randn(2, 7, 2, 16, requires_grad=True) for _ in range(2))
+    q = torch.randn(2, 0, 4, 16, requires_grad=True)
+    kp, vp = (torch.randn(8, 2, 16, requires_grad=True) for _ in range(2))
+    qp = torch.randn(0, 4, 16, requires_grad=True)
+    cu_q, cu_k = offsets([0, 0], "cpu"), offsets([5, 3], "cpu")
+    with api.use_backend(backend):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        out_p = flashtile.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 0, 5)
+    for o, inputs in ((out, (q, k, v)), (out_p, (qp, kp, vp))):
+        grads = torch.autograd.grad(o.sum() + sum(t.sum() * 0 for t in inputs), inputs)
+        for g in grads[1:]:
+            assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_index_tensors_with_other_strides():
+    """cu_seqlens, seqused_k and block_table given as strided views (the values the host reads
+    are the values the kernels use)."""
+    lens = [20, 35, 9]
+    h, hk, d = 4, 2, 32
+    q, k, v = torch.randn(sum(lens), h, d), torch.randn(sum(lens), hk, d), torch.randn(sum(lens), hk, d)
+    cu = offsets(lens, "cpu")
+    cu_strided = torch.stack([cu, cu * 7], 1)[:, 0]
+    used = torch.tensor([20, 30, 9], dtype=torch.int32)
+    used_strided = torch.stack([used, used], 1)[:, 0]
+    assert cu_strided.stride() == (2,) and used_strided.stride() == (2,)
+    ref = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 35, 35, causal=True, seqused_k=used)
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu_strided, cu_strided, 35, 35, causal=True, seqused_k=used_strided)
+    torch.testing.assert_close(out, ref)
+    pages_k, table = paged_copy(k, lens, 16, 9, torch.Generator().manual_seed(2))
+    pages_v = torch.randn_like(pages_k)
+    from varlen_check import fill_pages
+    fill_pages(pages_k, pages_v, k, v, lens, table)
+    table_t = table.T.contiguous().T  # the same values, strides (1, batch)
+    assert table_t.stride() != table.stride()
+    paged = flashtile.flash_attn_varlen_func(q, pages_k, pages_v, cu, cu, 35, 35, causal=True, block_table=table_t,
+                                             seqused_k=used)
+    torch.testing.assert_close(paged, ref)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["no-dropout", "dropout"])
+def test_varlen_backward_in_two_launches(monkeypatch, dropout_p):
+    """The launch mode the GPU uses: the dQ launch computing delta (WRITE_DELTA), then the dK/dV
+    launch, with TMA descriptors over the packed tensors, head-chunked launch orders and
+    different tiles per launch (the interpreter's default is one fused launch)."""
+    cfg = configs.BackwardConfig(configs.BlockConfig(16, 32, 4, 1), configs.BlockConfig(32, 16, 4, 1), False,
+                                 dkdv_tma=True, dq_tma=True, head_chunk=3, dq_head_chunk=2)
+    monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
+    check_varlen([17, 0, 1, 70, 40], [33, 5, 1, 70, 0], 4, 2, 64, torch.float16, "cpu", causal=True,
+                 dropout_p=dropout_p)
+    check_varlen([30, 45], [64, 20], 6, 3, 32, torch.float32, "cpu", window=(9, 4), seqused=[50, 20],
+                 dropout_p=dropout_p)
+
+
+def test_varlen_dropout_window_seqused():
+    check_varlen([23, 40, 5], [33, 51, 9], 4, 2, 32, torch.float32, "cpu", window=(11, 2), seqused=[30, 51, 0],
+                 dropout_p=0.3)
+
+
+def test_varlen_reference_under_torch_compile():
+    """The reference path returns contiguous outputs, as the custom op's fake impl declares (a
+    permuted q used to fail Inductor's stride assertion)."""
+    lens = [5, 9]
+    cu = offsets(lens, "cpu")
+    q = torch.randn(4, 14, 16).transpose(0, 1)  # (14, 4, 16), not contiguous
+    k, v = torch.randn(14, 2, 16), torch.randn(14, 2, 16)
+
+    def f(q, k, v):
+        return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)
+
+    with api.use_backend("reference"):
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
+
+
+def test_host_values_cache():
+    """A tensor's values are read once per version: an in-place update is seen, a write the version
+    counter misses (.data) is not (documented), inference tensors are read every time."""
+    from flashtile import _checks
+
+    t = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert _checks.cached_values(t) == [0, 3, 7]
+    t.data[1] = 4  # bypasses the version counter: the cached values stay
+    assert _checks.cached_values(t) == [0, 3, 7]
+    t[1] = 5  # in place: a new version, read again
+    assert _checks.cached_values(t) == [0, 5, 7]
+    with torch.inference_mode():  # serving code builds its index tensors so
+        u = torch.tensor([0, 2], dtype=torch.int32)
+        assert _checks.cached_values(u) == [0, 2]
+        u[1] = 9
+        assert _checks.cached_values(u) == [0, 9]
+
+
+def test_varlen_paged_without_pages_and_bad_seqused():
+    q, k, v, cu_q, cu_k, mq, mk = varlen_args()
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="at least one page"):
+        flashtile.flash_attn_varlen_func(q, torch.randn(0, 16, 2, 16), torch.randn(0, 16, 2, 16), cu_q, cu_k, mq, mk,
+                                         block_table=table)
+    pages = torch.randn(4, 16, 2, 16)
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = -1 must be in 0..16 \(the page table's reach\)"):
+        flashtile.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, mq, mk, block_table=table,
+                                         seqused_k=torch.tensor([-1, 3], dtype=torch.int32))

@@ -6,6 +6,7 @@ without reading our source.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import weakref
@@ -180,11 +181,8 @@ def host_values(t: torch.Tensor) -> Optional[list]:
     """t's values as Python ints, or None when they cannot be read now (CUDA-graph capture, or
     torch.compile tracing): the caller then skips the value checks, and the kernels clamp.
 
-    A CUDA tensor is copied to the host once per version: training passes the same cu_seqlens to
-    every layer of a step, so one sync per batch checks them all. The cache holds a weak reference
-    and the tensor's version counter, so an in-place update (or a new tensor) is read again.
-    Writes that bypass autograd's version counter (a custom kernel writing its memory) are not
-    seen: pass a new tensor then.
+    A CUDA tensor is copied to the host once per version (cached_values): training passes the same
+    cu_seqlens to every layer of a step, so one sync per batch checks them all.
     """
     if torch.compiler.is_compiling():
         return None
@@ -192,6 +190,16 @@ def host_values(t: torch.Tensor) -> Optional[list]:
         return t.tolist()
     if torch.cuda.is_current_stream_capturing():
         return None
+    return cached_values(t)
+
+
+def cached_values(t: torch.Tensor) -> list:
+    """t.tolist(), read once per tensor and version. The cache holds a weak reference and the
+    tensor's version counter, so an in-place update (or a new tensor) is read again. Writes that
+    bypass the version counter (a custom kernel writing its memory, t.data) are not seen: pass a
+    new tensor then. Inference-mode tensors have no version counter and are read every time."""
+    if t.is_inference():
+        return t.tolist()
     key = id(t)
     hit = _host_cache.get(key)
     if hit is not None and hit[0]() is t and hit[1] == t._version:
@@ -261,7 +269,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError("cu_seqlens_q must hold batch + 1 offsets, got an empty tensor")
     if seqused_k is not None:
         check_index_tensor("seqused_k", seqused_k, q.device, (b,))
-    if cu_seqlens_k is None:
+    derived_k = cu_seqlens_k is None
+    if derived_k:
         if not (paged and seqused_k is not None):
             raise ValueError("cu_seqlens_k may be None only with block_table and seqused_k (the keys of "
                              "each sequence are then its first seqused_k[b] paged keys)")
@@ -274,6 +283,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if block_table.shape[1] < 1:
             raise ValueError(f"block_table must have shape (batch, max_pages) with max_pages >= 1, got "
                              f"{tuple(block_table.shape)}")
+        if k.shape[0] < 1:
+            raise ValueError(f"k must hold at least one page with a block_table, got shape {tuple(k.shape)}")
         page_size = k.shape[1]
         if page_size % 16 != 0:
             raise ValueError(f"the page size (k.shape[1] with a block_table) must be a multiple of 16, "
@@ -287,8 +298,11 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             row = lengths_q.index(max(lengths_q))
             raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is smaller than sequence {row}'s length "
                              f"{lengths_q[row]} (cu_seqlens_q)")
-    vk = host_values(cu_seqlens_k)
+    # cu_seqlens_k derived from seqused_k above is a new tensor each call: check seqused_k instead
+    vk = host_values(seqused_k) if derived_k else host_values(cu_seqlens_k)
     if vk is not None:
+        if derived_k:
+            vk = [0, *itertools.accumulate(vk)]
         lengths_k = _check_offsets("cu_seqlens_k", vk, None if paged else k.shape[0])
         used = host_values(seqused_k) if seqused_k is not None else lengths_k
         if used is not None:
@@ -298,7 +312,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                     raise ValueError(f"sequence {i} has {n} keys ({source}) but block_table reaches {capacity} "
                                      f"({block_table.shape[1]} pages of {k.shape[1]})")
                 if n < 0 or (not paged and n > m):
-                    raise ValueError(f"seqused_k[{i}] = {n} must be in 0..{m} (its cu_seqlens_k length)")
+                    limit = f"{capacity} (the page table's reach)" if paged else f"{m} (its cu_seqlens_k length)"
+                    raise ValueError(f"seqused_k[{i}] = {n} must be in 0..{limit}")
             if b and max(used) > max_seqlen_k:
                 row = used.index(max(used))
                 raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is smaller than sequence {row}'s "
@@ -311,4 +326,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                             if not 0 <= page < k.shape[0]:
                                 raise ValueError(f"block_table[{i}, {slot}] = {page} is not a page of k "
                                                  f"(it holds {k.shape[0]}), and sequence {i} reads it")
-    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)
+    # the kernels read index tensors with unit strides (a view with other strides is copied)
+    return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                  None if seqused_k is None else seqused_k.contiguous(),
+                  None if block_table is None else block_table.contiguous())

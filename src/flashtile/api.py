@@ -84,8 +84,11 @@ def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=
 def _gather_pages(k, v, varlen):
     """Paged k/v (num_pages, page_size, hk, d) -> the keys of every sequence packed end to end
     (total_k, hk, d), with the Varlen that describes them (one host read of the lengths)."""
-    used = varlen.seqused_k if varlen.seqused_k is not None else varlen.cu_seqlens_k.diff()
-    lengths = _checks.host_values(used)
+    if varlen.seqused_k is not None:
+        lengths = _checks.host_values(varlen.seqused_k)
+    else:
+        offsets = _checks.host_values(varlen.cu_seqlens_k)
+        lengths = None if offsets is None else [b - a for a, b in zip(offsets, offsets[1:])]
     if lengths is None:
         raise RuntimeError("gradients through a paged k/v (block_table) need the sequence lengths on the "
                            "host, which cannot be read under CUDA-graph capture or torch.compile")

@@ -242,16 +242,18 @@ def philox2x32(key, c0, c1):
 
 
 @triton.jit
-def dropout_keep(key, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.constexpr, threshold,
+def dropout_keep(seed, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.constexpr, threshold,
                  TRANSPOSED: tl.constexpr):
     """Which scores of rows [start_m, start_m + BLOCK_M) x keys [start_n, start_n + BLOCK_N) of
     head bh survive dropout: (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) when TRANSPOSED.
 
     One Philox2x32-10 call gives two 32-bit words, four 16-bit halves: one for each score of the
     2 x 2 group rows {i0, i0 + 8} x keys {j0, j0 + 8} (i0 = 16 (i // 16) + i % 8, likewise j0).
-    Counter (j0 // 16 * 8 + j0 % 8, i0 // 16 * 8 + i0 % 8), key = the call's key (dropout_seed) +
-    bh * HEAD_KEY_STRIDE; score (i, j) reads half (j // 8) % 2 (low half first) of word (i // 8) % 2
-    and is kept when it is >= threshold = round(p * 2^16).
+    seed = (key, x0, x1) of the call (dropout_seed); counter (j0 // 16 * 8 + j0 % 8 ^ x0,
+    i0 // 16 * 8 + i0 % 8 ^ x1), key + bh * HEAD_KEY_STRIDE (the XORs are bijections, so one call's
+    counters stay distinct, and 96 random bits set a call's stream); score (i, j) reads half
+    (j // 8) % 2 (low half first) of word (i // 8) % 2 and is kept when it is >= threshold =
+    round(p * 2^16).
     Why this grouping: in an MMA accumulator each warp holds 16 rows and a thread rows r and r + 8
     of them, at keys 2q, 2q + 1 of every 8; the dK/dV programs hold the transposed tile. The 2 x 2
     group is the only one that sits in one thread in both orientations, so the bits land in the
@@ -275,9 +277,11 @@ def dropout_keep(key, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.c
         i = (start_m // 16 + tl.arange(0, A))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
         j = (start_n // 16 + tl.arange(0, B))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
         shape: tl.constexpr = (A, 8, B, 8)
+    key, x0, x1 = seed
     head_key = tl.add(key, tl.mul(bh.to(tl.uint32), HEAD_KEY_STRIDE, sanitize_overflow=False),
                       sanitize_overflow=False)
-    w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32), tl.broadcast_to(i, shape).to(tl.uint32))
+    w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32) ^ x0,
+                        tl.broadcast_to(i, shape).to(tl.uint32) ^ x1)
     # each half moved to the top 16 bits, so one unsigned compare with threshold << 16 tests it
     bits = tl.join(tl.join(w0 << 16, w0), tl.join(w1 << 16, w1))  # (..., y = (j // 8) % 2, x = (i // 8) % 2)
     if TRANSPOSED:  # (B, 8, A, 8, y, x) -> (B, y, 8, A, x, 8)
@@ -289,12 +293,13 @@ def dropout_keep(key, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.c
 
 @triton.jit
 def dropout_seed(Rng):
-    """The uint32 Philox key of a call, from the (2,) int64 tensor drawn from torch's generator
-    (reference.dropout.draw_rng), all 96 drawn bits folded in: read on the device, so a CUDA
-    graph replays fresh masks."""
+    """(key, x0, x1) of a call's Philox stream, uint32 each: the low and high words of the first
+    int64 drawn from torch's generator (reference.dropout.draw_rng) and the low word of the second.
+    Read on the device, so a CUDA graph replays fresh masks."""
     seed = tl.load(Rng)
     offset = tl.load(Rng + 1)
-    return ((seed & 0xFFFFFFFF) ^ (seed >> 32) ^ (offset & 0xFFFFFFFF)).to(tl.uint32)
+    return ((seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32),
+            (offset & 0xFFFFFFFF).to(tl.uint32))
 
 
 @triton.jit

@@ -371,7 +371,7 @@ def _bwd_kernel(
     m_blocks = tl.cdiv(sq, BLOCK_M2)
     q_start, sq, k_start, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k,
                                           IS_VARLEN, HAS_SEQUSED, False)
-    seed = 0
+    seed = (0, 0, 0)
     if HAS_DROPOUT:
         seed = dropout_seed(Rng)
     if is_dkdv:
@@ -454,7 +454,9 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     causal = window[1] == 0
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
-    if b * h * sq == 0:
+    if b * h * sq == 0:  # no query rows: no key gets a gradient
+        dk.zero_()
+        dv.zero_()
         return dq, dk, dv
 
     cfg = configs.backward_config(d, q.dtype, q.device, causal)

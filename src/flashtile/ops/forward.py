@@ -119,7 +119,7 @@ def _fwd_kernel(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
-    seed = 0
+    seed = (0, 0, 0)
     if HAS_DROPOUT:
         seed = dropout_seed(Rng)
 

@@ -59,7 +59,7 @@ def forward(q, k, v, varlen, softmax_scale, window_size, softcap=0.0, alibi_slop
     """out (total_q, h, d) in q's dtype and lse (h, total_q) float32, by fa2.forward per sequence.
     dropout = (p, rng) or None; rows outside every sequence are left zero (lse -inf)."""
     h = q.shape[1]
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernels' (and the fake impl's)
     lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for b, (q0, q1, k0, k1) in enumerate(bounds(varlen)):
         if q1 == q0:
@@ -79,7 +79,7 @@ def backward(dout, q, k, v, out, lse, varlen, softmax_scale, window_size, softca
     if varlen.block_table is not None:
         raise ValueError("the backward reads contiguous k/v: gather the pages first (the API does)")
     h = q.shape[1]
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     for b, (q0, q1, k0, k1) in enumerate(bounds(varlen)):
         if q1 == q0:
             continue
