@@ -178,35 +178,41 @@ _host_cache: dict = {}  # id(tensor) -> (weakref to it, its version, its values)
 
 
 def host_values(t: torch.Tensor) -> Optional[list]:
-    """t's values as Python ints, or None when they cannot be read now (CUDA-graph capture, or
-    torch.compile tracing): the caller then skips the value checks, and the kernels clamp.
+    """t's values as Python ints, or None when they cannot be read now (host_copy)."""
+    copy = host_copy(t)
+    return None if copy is None else copy.tolist()
 
-    A CUDA tensor is copied to the host once per version (cached_values): training passes the same
+
+def host_copy(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """t on the host, or None when it cannot be read now (CUDA-graph capture, or torch.compile
+    tracing): the caller then skips the value checks, and the kernels clamp.
+
+    A CUDA tensor is copied to the host once per version (cached_copy): training passes the same
     cu_seqlens to every layer of a step, so one sync per batch checks them all.
     """
     if torch.compiler.is_compiling():
         return None
     if t.device.type != "cuda":
-        return t.tolist()
+        return t
     if torch.cuda.is_current_stream_capturing():
         return None
-    return cached_values(t)
+    return cached_copy(t)
 
 
-def cached_values(t: torch.Tensor) -> list:
-    """t.tolist(), read once per tensor and version. The cache holds a weak reference and the
+def cached_copy(t: torch.Tensor) -> torch.Tensor:
+    """t.cpu(), copied once per tensor and version. The cache holds a weak reference and the
     tensor's version counter, so an in-place update (or a new tensor) is read again. Writes that
     bypass the version counter (a custom kernel writing its memory, t.data) are not seen: pass a
     new tensor then. Inference-mode tensors have no version counter and are read every time."""
     if t.is_inference():
-        return t.tolist()
+        return t.cpu()
     key = id(t)
     hit = _host_cache.get(key)
     if hit is not None and hit[0]() is t and hit[1] == t._version:
         return hit[2]
-    values = t.tolist()
-    _host_cache[key] = (weakref.ref(t, lambda _, key=key: _host_cache.pop(key, None)), t._version, values)
-    return values
+    copy = t.cpu() if t.device.type != "cpu" else t.clone()
+    _host_cache[key] = (weakref.ref(t, lambda _, key=key: _host_cache.pop(key, None)), t._version, copy)
+    return copy
 
 
 def check_index_tensor(name: str, t, device, shape: tuple) -> None:
@@ -319,13 +325,15 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                 raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is smaller than sequence {row}'s "
                                  f"{used[row]} keys")
             if paged:
-                table = host_values(block_table)
-                if table is not None:
-                    for i, n in enumerate(used):
-                        for slot, page in enumerate(table[i][:-(-n // k.shape[1])]):
-                            if not 0 <= page < k.shape[0]:
-                                raise ValueError(f"block_table[{i}, {slot}] = {page} is not a page of k "
-                                                 f"(it holds {k.shape[0]}), and sequence {i} reads it")
+                table = host_copy(block_table)
+                if table is not None:  # one vectorised pass: serving batches hold thousands of slots
+                    pages_read = (torch.tensor(used, dtype=torch.int64) + k.shape[1] - 1) // k.shape[1]  # (b,)
+                    reads = torch.arange(table.shape[1])[None, :] < pages_read[:, None]  # (b, max_pages)
+                    bad = reads & ((table < 0) | (table >= k.shape[0]))
+                    if bool(bad.any()):
+                        i, slot = (int(x) for x in bad.nonzero()[0])
+                        raise ValueError(f"block_table[{i}, {slot}] = {int(table[i, slot])} is not a page of k "
+                                         f"(it holds {k.shape[0]}), and sequence {i} reads it")
     # the kernels read index tensors with unit strides (a view with other strides is copied)
     return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
                   None if seqused_k is None else seqused_k.contiguous(),
