@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -125,8 +126,6 @@ def varlen_lengths(tokens: int, lo: int, hi: int, seed: int = 0) -> list[int]:
 
 def _interp_log2(points: dict, x: float) -> float:
     """Piecewise-linear interpolation of {length: value} in log2(length), clamped at the ends."""
-    import math
-
     xs = sorted(points)
     if x <= xs[0]:
         return points[xs[0]]
