@@ -8,7 +8,10 @@ with the first candidate's (the configs in use when the list was written) before
 Prints a table and writes sweep_<kernels>_d<ds>_s<seqlens>.json (after every row) to the folder
 given as the first argument, with each compiled kernel's registers and spills.
 
-    PYTHONPATH=src python scripts/sweep_prefill.py OUTDIR [d,d,...] [seqlen,seqlen,...] [forward,backward]
+    PYTHONPATH=src python scripts/sweep_prefill.py OUTDIR [d,d,...] [seqlen,seqlen,...] [forward,backward] [dropout_p]
+
+With dropout_p > 0 every candidate runs with dropout (one fixed seed) and the backward's candidates
+come from DROPOUT_CANDIDATES.
 """
 
 import os
@@ -60,10 +63,25 @@ CANDIDATES = {
                      S((32, 64, 8, 1), (128, 32, 8, 1)), S((16, 64, 4, 2), (64, 32, 4, 2))]},
     },
 }
+# dK/dV tiles with few spills once the Philox temporaries join the accumulators (ptxas -v, sm_90,
+# HAS_DROPOUT: d=128 (64, 64, 4, 2) with TMA 880 bytes, (32, 64, 4, 2) 76, (32, 128, 8, 2) 96,
+# (64, 128, 8, 1) 104; d=64 (32, 128, 4, 3) 888, (32, 128, 8, 3) 48)
+DROPOUT_CANDIDATES = {
+    64: {c: [S((32, 128, 4, 3), (64, 64, 4, 3), dq_tma=True), S((32, 128, 8, 3), (64, 64, 4, 3), dq_tma=True),
+             S((32, 64, 4, 3), (64, 64, 4, 3), dq_tma=True), S((32, 128, 8, 3), (128, 64, 8, 3), dq_tma=True)]
+         for c in (False, True)},
+    128: {c: [S((64, 64, 4, 2), (128, 64, 8, 3), True, dq_tma=True), S((32, 64, 4, 2), (128, 64, 8, 3), True, dq_tma=True),
+              S((32, 128, 8, 2), (128, 64, 8, 3), True, dq_tma=True), S((64, 128, 8, 1), (128, 64, 8, 3), True, dq_tma=True),
+              S((32, 64, 4, 2), (64, 64, 4, 3), True, dq_tma=True)]
+          for c in (False, True)},
+}
 PATCH = {"forward": "forward_config", "backward": "backward_config"}
+DROPOUT_P = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
 
 
 def candidates(kernel, d, causal):
+    if kernel == "backward" and DROPOUT_P > 0:
+        return DROPOUT_CANDIDATES[d][causal]
     lists = CANDIDATES[kernel][d]
     return lists[causal] if kernel == "backward" else lists
 
@@ -93,26 +111,27 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
     q, k, v, do = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(4))
     scale, window = d ** -0.5, (None, 0 if causal else None)
+    dropout = (DROPOUT_P, torch.tensor([12345, 678], dtype=torch.int64, device="cuda")) if DROPOUT_P > 0 else None
     original = getattr(configs, PATCH[kernel])
     setattr(configs, PATCH[kernel], lambda *a, **k: cfg)
     jit = forward._fwd_kernel if kernel == "forward" else backward._bwd_kernel
     jit.__dict__.pop("_flashtile_launches", None)  # ops._launch's cache: only this config's kernels
     grads, launch_ms = None, None
     try:
-        out, lse = forward.attention_forward(q, k, v, scale, window)
+        out, lse = forward.attention_forward(q, k, v, scale, window, dropout=dropout)
         if kernel == "forward":
-            ms = harness.bench_ms(lambda: forward.attention_forward(q, k, v, scale, window))
+            ms = harness.bench_ms(lambda: forward.attention_forward(q, k, v, scale, window, dropout=dropout))
             f = 4 * b * h * seqlen * seqlen * d
         else:
-            grads = backward.attention_backward(do, q, k, v, out, lse, scale, window)
+            grads = backward.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout)
             if reference is not None:
                 for name, got, ref in zip(("dq", "dk", "dv"), grads, reference):
                     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                     if not err < 1e-2:  # bf16 outputs of the same sums in another order: ~4e-3
                         raise AssertionError(f"{name} differs from the reference candidate's: {err:.3g}")
-            ms = harness.bench_ms(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window))
+            ms = harness.bench_ms(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
             try:
-                launch_ms = launch_times(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window))
+                launch_ms = launch_times(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
             except Exception as e:  # the profiler's event API moves between torch versions
                 launch_ms = repr(e)[:200]
             f = 2.5 * 4 * b * h * seqlen * seqlen * d
@@ -143,7 +162,8 @@ def main():
     seqlens = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [4096]
     kernels = sys.argv[4].split(",") if len(sys.argv) > 4 else list(CANDIDATES)
     rows, env = [], harness.environment()
-    name = f"sweep_{'-'.join(kernels)}_d{'-'.join(map(str, ds))}_s{'-'.join(map(str, seqlens))}.json"
+    name = (f"sweep_{'-'.join(kernels)}_d{'-'.join(map(str, ds))}_s{'-'.join(map(str, seqlens))}"
+            + (f"_dropout{DROPOUT_P}" if DROPOUT_P > 0 else "") + ".json")
     path = os.path.join(out_dir, name)  # rewritten after every row
     for kernel in kernels:
         for d in ds:

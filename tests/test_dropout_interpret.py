@@ -32,12 +32,13 @@ def _keep_kernel(Rng, Out, bh, row0, col0, threshold, R: tl.constexpr, C: tl.con
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_kernel_mask_equals_the_torch_philox(p, transposed):
     """ops._common.dropout_keep (in the forward's and the dK/dV programs' orientation) and
-    reference.dropout.DropoutMask give the same bits, for tiles at any multiple-of-16 offset, in
-    any head."""
+    reference.dropout.DropoutMask give the same bits, for tiles at row offsets of any multiple of
+    16 and key offsets of any multiple of 32 (16 for key blocks of 16), in any head."""
     rng = draw_rng("cpu")
     mask = DropoutMask(p, rng, nheads=3, sequences=[0, 1])
     threshold, _ = _checks.dropout_threshold(p)
-    for bh, row0, col0, rows, cols in ((0, 0, 0, 16, 32), (4, 48, 64, 32, 16), (5, 1024, 16, 64, 64)):
+    tiles = ((0, 0, 0, 16, 32), (4, 48, 64, 32, 32), (5, 1024, 96, 64, 64), (2, 16, 16, 16, 16), (1, 32, 48, 32, 16))
+    for bh, row0, col0, rows, cols in tiles:
         out = torch.empty(rows * cols, dtype=torch.int8)
         _keep_kernel[(1,)](rng, out, bh, row0, col0, threshold, R=rows, C=cols, TRANSPOSED=transposed)
         got = out.view(cols, rows).T if transposed else out.view(rows, cols)
@@ -121,9 +122,9 @@ def test_drop_rate_is_p():
     keep = DropoutMask(p, draw_rng("cpu"), 4, [0, 1]).full(128, 512)
     n = keep.numel()
     threshold, _ = _checks.dropout_threshold(p)
-    p_eff = threshold / 2**16
+    p_eff = threshold / 2**8
     z = (float((~keep).sum()) - n * p_eff) / math.sqrt(n * p_eff * (1 - p_eff))
-    assert abs(z) < 4.5 and abs(p_eff - p) <= 2 ** -17
+    assert abs(z) < 4.5 and abs(p_eff - p) <= 2 ** -9
 
 
 def test_sdpa_runs_dropout_in_flashtile():

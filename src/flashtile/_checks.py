@@ -142,13 +142,15 @@ def default_scale(softmax_scale, d: int) -> float:
 def dropout_threshold(dropout_p: float) -> tuple[int, float]:
     """(threshold, scale) of dropout as the kernels and reference.dropout apply it.
 
-    A score is dropped when its 16 random bits fall below threshold = round(p * 2^16), so the drop
-    probability is threshold / 2^16 (within 2^-17 of p); kept scores are scaled by
-    2^16 / (2^16 - threshold), which makes the output's expectation the no-dropout output exactly
-    (and is 1 / (1 - p) to within 1e-5 relative).
+    A score is dropped when its 8 random bits fall below threshold = round(p * 2^8), at least 1
+    for p > 0, so the drop probability is threshold / 256: p to the nearest 1/256 (flash-attn also
+    draws 8 bits per score; p = 0.1 drops 26 / 256 = 0.1016 of the scores). Kept scores are scaled
+    by 256 / (256 - threshold), which makes the output's expectation the no-dropout output
+    exactly. Eight bits rather than sixteen halve the Philox calls per score, which is most of
+    dropout's cost in the kernels (ops._common.dropout_keep).
     """
-    threshold = min(round(dropout_p * 65536), 65535)
-    return threshold, 65536.0 / (65536 - threshold)
+    threshold = min(max(round(dropout_p * 256), 1 if dropout_p > 0 else 0), 255)
+    return threshold, 256.0 / (256 - threshold)
 
 
 class Varlen(NamedTuple):

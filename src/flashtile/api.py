@@ -140,8 +140,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             evaluation, as flash-attn). The mask comes from Philox in the kernel, seeded from
             torch's generator of q's device, so torch.manual_seed reproduces it; the backward
             regenerates the same mask; kept probabilities are scaled by 1 / (1 - dropout_p). CUDA
-            graphs replay fresh masks, as torch's own dropout. (Probabilities are dropped when 16
-            random bits fall below round(p * 2^16): within 2^-17 of p; the scale matches exactly.)
+            graphs replay fresh masks, as torch's own dropout. (Probabilities are dropped when 8
+            random bits fall below round(p * 2^8), as flash-attn draws them: p to the nearest 1/256,
+            at least 1/256; the scale matches the rate drawn, so the output stays unbiased.)
         softmax_scale: defaults to headdim ** -0.5.
         causal: bottom-right aligned causal mask. With seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0

@@ -247,48 +247,62 @@ def dropout_keep(seed, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.
     """Which scores of rows [start_m, start_m + BLOCK_M) x keys [start_n, start_n + BLOCK_N) of
     head bh survive dropout: (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) when TRANSPOSED.
 
-    One Philox2x32-10 call gives two 32-bit words, four 16-bit halves: one for each score of the
-    2 x 2 group rows {i0, i0 + 8} x keys {j0, j0 + 8} (i0 = 16 (i // 16) + i % 8, likewise j0).
-    seed = (key, x0, x1) of the call (dropout_seed); counter (j0 // 16 * 8 + j0 % 8 ^ x0,
-    i0 // 16 * 8 + i0 % 8 ^ x1), key + bh * HEAD_KEY_STRIDE (the XORs are bijections, so one call's
-    counters stay distinct, and 96 random bits set a call's stream); score (i, j) reads half
-    (j // 8) % 2 (low half first) of word (i // 8) % 2 and is kept when it is >= threshold =
-    round(p * 2^16).
+    One Philox2x32-10 call gives two 32-bit words, eight bytes: one for each score of the 2 x 4
+    group rows {i0, i0 + 8} x keys {j0, j0 + 8, j0 + 16, j0 + 24} (i0 = 16 (i // 16) + i % 8,
+    j0 = 32 (j // 32) + j % 8). seed = (key, x0, x1) of the call (dropout_seed); counter
+    (j0 // 32 * 8 + j0 % 8 ^ x0, i0 // 16 * 8 + i0 % 8 ^ x1), key + bh * HEAD_KEY_STRIDE (the XORs
+    are bijections, so one call's counters stay distinct, and 96 random bits set a call's
+    stream); score (i, j) reads byte (j // 8) % 4 (low byte first) of word (i // 8) % 2 and is
+    kept when it is >= threshold = round(p * 2^8) (_checks.dropout_threshold).
     Why this grouping: in an MMA accumulator each warp holds 16 rows and a thread rows r and r + 8
-    of them, at keys 2q, 2q + 1 of every 8; the dK/dV programs hold the transposed tile. The 2 x 2
-    group is the only one that sits in one thread in both orientations, so the bits land in the
-    registers that use them and never move between threads. (Earlier layouts on the H100: 8
-    scores per Philox4x32 call along the keys moved every tile's bits through shared memory -
-    forward 2.3-2.4x slower with dropout, and out of shared memory at d=128; the 2 x 2 group with
-    Philox4x32, a 32-bit word per score, moved nothing but cost 1.65-1.74x at d=128 and 2.25-2.46x
-    at d=64 for forward + backward: the 20 multiplies per call, 5 per score, bound it. Philox2x32
-    needs 10 per call.) Rows and keys are indices within the sequence; bh = sequence * nheads +
-    head. The mask depends on nothing else, so the backward regenerates it exactly;
-    reference/dropout.py builds the same mask in plain PyTorch. start_m, start_n, BLOCK_M and
-    BLOCK_N are multiples of 16.
+    of them, at keys 2q, 2q + 1 of every 8, so in the forward and dQ tiles (BLOCK_N a multiple of
+    32) a thread holds whole groups and a call's eight bytes serve eight of its scores. The dK/dV
+    programs hold the transposed tile, where a thread has keys j and j + 8 of a 16-key block only:
+    it makes the call of the group around them and uses four of the bytes (the group's other
+    half sits in another warp; moving bits between threads through shared memory cost more than
+    the repeated call, benchmarks/results/h100/NOTES.md). Key blocks of 16 do the same. Rows and keys
+    are indices within the sequence; bh = sequence * nheads + head. The mask depends on nothing
+    else, so the backward regenerates it exactly; reference/dropout.py builds the same mask in
+    plain PyTorch. start_m, start_n, BLOCK_M and BLOCK_N are multiples of 16, and start_n one of
+    32 when BLOCK_N is.
     """
     A: tl.constexpr = BLOCK_M // 16
-    B: tl.constexpr = BLOCK_N // 16
-    if TRANSPOSED:  # (key group, j % 8, row group, i % 8)
-        j = (start_n // 16 + tl.arange(0, B))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
-        i = (start_m // 16 + tl.arange(0, A))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
-        shape: tl.constexpr = (B, 8, A, 8)
-    else:  # (row group, i % 8, key group, j % 8)
-        i = (start_m // 16 + tl.arange(0, A))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
-        j = (start_n // 16 + tl.arange(0, B))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
-        shape: tl.constexpr = (A, 8, B, 8)
     key, x0, x1 = seed
     head_key = tl.add(key, tl.mul(bh.to(tl.uint32), HEAD_KEY_STRIDE, sanitize_overflow=False),
                       sanitize_overflow=False)
-    w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32) ^ x0,
-                        tl.broadcast_to(i, shape).to(tl.uint32) ^ x1)
-    # each half moved to the top 16 bits, so one unsigned compare with threshold << 16 tests it
-    bits = tl.join(tl.join(w0 << 16, w0), tl.join(w1 << 16, w1))  # (..., y = (j // 8) % 2, x = (i // 8) % 2)
-    if TRANSPOSED:  # (B, 8, A, 8, y, x) -> (B, y, 8, A, x, 8)
-        bits = tl.reshape(tl.permute(bits, (0, 4, 1, 2, 5, 3)), (BLOCK_N, BLOCK_M))
-    else:  # (A, 8, B, 8, y, x) -> (A, x, 8, B, y, 8)
-        bits = tl.reshape(tl.permute(bits, (0, 5, 1, 2, 4, 3)), (BLOCK_M, BLOCK_N))
-    return bits >= (threshold.to(tl.uint32) << 16)
+    # each byte moved to the top 8 bits, so one unsigned compare with threshold << 24 tests it
+    bar = threshold.to(tl.uint32) << 24
+    if TRANSPOSED or BLOCK_N % 32 != 0:  # a call per 16-key block and row group: half its bytes are ours
+        B: tl.constexpr = BLOCK_N // 16
+        kb = start_n // 16 + tl.arange(0, B)
+        rows = (start_m // 16 + tl.arange(0, A))[:, None] * 8 + tl.arange(0, 8)[None, :]  # (A, 8)
+        keys = (kb // 2)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (B, 8)
+        up = (24 - kb % 2 * 16).to(tl.uint32)  # byte 0 (2 for keys j0 + 16, j0 + 24) to the top
+        if TRANSPOSED:  # (B, 8, A, 8)
+            i, j, up = rows[None, None, :, :], keys[:, :, None, None], up[:, None, None, None]
+            shape: tl.constexpr = (B, 8, A, 8)
+        else:  # (A, 8, B, 8)
+            i, j, up = rows[:, :, None, None], keys[None, None, :, :], up[None, None, :, None]
+            shape: tl.constexpr = (A, 8, B, 8)
+        w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32) ^ x0,
+                            tl.broadcast_to(i, shape).to(tl.uint32) ^ x1)
+        bits = tl.join(tl.join(w0 << up, w0 << (up - 8)), tl.join(w1 << up, w1 << (up - 8)))  # (..., y % 2, x)
+        if TRANSPOSED:  # (B, 8, A, 8, y % 2, x) -> (B, y % 2, 8, A, x, 8)
+            bits = tl.reshape(tl.permute(bits, (0, 4, 1, 2, 5, 3)), (BLOCK_N, BLOCK_M))
+        else:  # (A, 8, B, 8, y % 2, x) -> (A, x, 8, B, y % 2, 8)
+            bits = tl.reshape(tl.permute(bits, (0, 5, 1, 2, 4, 3)), (BLOCK_M, BLOCK_N))
+    else:  # (row group, i % 8, key group, j % 8): whole calls
+        C: tl.constexpr = BLOCK_N // 32
+        i = (start_m // 16 + tl.arange(0, A))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
+        j = (start_n // 32 + tl.arange(0, C))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+        shape: tl.constexpr = (A, 8, C, 8)
+        w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32) ^ x0,
+                            tl.broadcast_to(i, shape).to(tl.uint32) ^ x1)
+        bits = tl.join(tl.join(tl.join(w0 << 24, w0 << 16), tl.join(w0 << 8, w0)),
+                       tl.join(tl.join(w1 << 24, w1 << 16), tl.join(w1 << 8, w1)))  # (..., y % 2, y // 2, x)
+        # (A, 8, C, 8, y % 2, y // 2, x) -> (A, x, 8, C, y // 2, y % 2, 8)
+        bits = tl.reshape(tl.permute(bits, (0, 6, 1, 2, 5, 4, 3)), (BLOCK_M, BLOCK_N))
+    return bits >= bar
 
 
 @triton.jit

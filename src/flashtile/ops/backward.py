@@ -459,7 +459,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         dv.zero_()
         return dq, dk, dv
 
-    cfg = configs.backward_config(d, q.dtype, q.device, causal)
+    cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse)
     if cfg.fused:  # both kinds of programs read delta at once: computed first
         pre = configs.delta_config(d, q.device)

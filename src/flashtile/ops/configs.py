@@ -78,7 +78,8 @@ class BackwardConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BackwardConfig:
+def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
+                    dropout: bool = False) -> BackwardConfig:
     """Tiles for ops.backward on an H100 (sm_90).
 
     From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_backward_*.json,
@@ -108,6 +109,10 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     One launch for both kinds (fused) was slower or within noise at every shape but d=64 causal 8k
     (d=64 2k 272 vs 323 TFLOP/s; d=128 2k 342 vs 341, causal 265 vs 270): one tile, warp and stage
     count must suit both kinds, and the heavier kind's registers bind both.
+    With dropout (Philox temporaries next to the dK/dV accumulators; sweep_backward_d128-64_s4096_
+    dropout0.1.json, 4k, whole backward): d=64 dK/dV (32, 64, 4, 3) 6.37 / causal 3.75 ms against
+    (32, 128, 4, 3) 6.83 / 3.97 (888 spilled bytes at 4 warps, 48 at 8: 6.65 / 3.84); d=128 causal
+    (32, 64, 4, 2) 2.60 against (64, 64, 4, 2) 2.68, non-causal 4.75 against 4.72 (kept).
     d=256 (before the vectorised loads): dK/dV (32, 32, 4, 2) 167 / causal 142 TFLOP/s,
     (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
     """
@@ -119,6 +124,11 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
         if bd <= 128:
             return BackwardConfig(BlockConfig(32, 64, 4, 1), BlockConfig(64, 32, 4, 1), False, pdl=pdl)
         return BackwardConfig(BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1), False, pdl=pdl)
+    if dropout and bd <= 64:  # the dropout sweep of the docstring (measured without PDL)
+        return BackwardConfig(BlockConfig(32, 64, 4, 3), BlockConfig(64, 64, 4, 3), False, dq_tma=True)
+    if dropout and bd <= 128 and causal:
+        return BackwardConfig(BlockConfig(32, 64, 4, 2), BlockConfig(128, 64, 8, 3), False, dkdv_tma=True,
+                              dq_tma=True)
     if bd <= 64:
         dq = BlockConfig(128, 64, 8, 3) if causal else BlockConfig(64, 64, 4, 3)
         return BackwardConfig(BlockConfig(32, 128, 4, 3), dq, False, dq_tma=True, head_chunk=4, pdl=pdl)
