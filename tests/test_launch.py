@@ -104,3 +104,26 @@ def test_integer_helpers():
     assert [_launch.cdiv(a, 16) for a in (0, 1, 16, 17)] == [0, 1, 1, 2]
     assert [_launch.next_pow2(n) for n in (0, 1, 2, 3, 16, 17, 111)] == [1, 1, 2, 4, 16, 32, 128]
     assert all(_launch.next_pow2(n) == triton.next_power_of_2(n) for n in range(1, 600))
+
+
+def test_prepared_launch_keys_only_its_own_arguments(kernel):
+    """A Prepared launch: the call's tensors and scalars go first, the fixed ones after; the first
+    call goes through Triton, later ones with the same call arguments launch directly; another
+    Prepared with an equal fixed part shares the compiled kernel, one with a different one does not."""
+    x, y, fixed = FakeTensor(1024), FakeTensor(2048), FakeTensor(4096)
+    kernel.params = [SimpleNamespace(name=n) for n in ("X", "Y", "Z", "n", "scale", "B", "A")]
+    first = _launch.Prepared(kernel, (3,), (fixed,), (0.5,), 4, 2, A=1, B=True)
+    first((x, y), (5,))
+    assert len(kernel.triton_calls) == 1 and kernel.triton_calls[0][1] == (x, y, fixed, 5, 0.5)
+    first((FakeTensor(8192), y), (5,))
+    _launch.Prepared(kernel, (3,), (FakeTensor(4096 * 3),), (0.5,), 4, 2, A=1, B=True)((x, y), (5,))
+    assert len(kernel.triton_calls) == 1 and len(kernel.direct_calls) == 2
+    # grid, stream, handles, then the call's tensors, the fixed ones, the scalars, the constexprs
+    assert kernel.direct_calls[0][:4] == (3, 1, 1, 77) and kernel.direct_calls[0][10:] == (y, fixed, 5, 0.5, True, 1)
+    for call in (lambda: first((x, FakeTensor(2048 + 8)), (5,)),  # alignment of a call tensor
+                 lambda: first((x, y), (6,)),  # a call scalar
+                 lambda: _launch.Prepared(kernel, (3,), (fixed,), (0.25,), 4, 2, A=1, B=True)((x, y), (5,)),
+                 lambda: _launch.Prepared(kernel, (3,), (FakeTensor(4096 + 4),), (0.5,), 4, 2, A=1, B=True)((x, y), (5,))):
+        before = len(kernel.triton_calls)
+        call()
+        assert len(kernel.triton_calls) == before + 1

@@ -15,9 +15,15 @@ vary per call only in rare paths (an int cache_seqlens); those keys miss, take T
 the cache is emptied when it grows past MAX_ENTRIES. Under TRITON_INTERPRET=1, with launch hooks
 installed (profilers) or with anything Triton's path does not return as a compiled kernel, every
 call takes Triton's path.
+
+`Prepared` is the same cache for a launch whose trailing arguments are fixed in advance (the
+decoding plan's): their part of the key is hashed once, and each call keys only its own tensors
+and strides.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -66,6 +72,11 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
     device = tensors[0].get_device()
     key = (device, num_warps, num_stages, launch_pdl, scalars, tuple(constexprs.items()),
            tuple(_tensor_key(t) for t in tensors))
+    _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device)
+
+
+def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device) -> None:
+    """Launch the compiled kernel kept under key, or go through Triton once and keep it."""
     cache = kernel.__dict__.get("_flashtile_launches")  # {key: (compiled, constexprs in signature order)}
     if cache is None:
         cache = kernel._flashtile_launches = {}
@@ -83,3 +94,43 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     compiled.run(g0, g1, g2, _stream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *tensors, *scalars, *tail)
+
+
+_fixed_ids: dict = {}  # the fixed part of a Prepared launch's key -> a small int standing for it
+_next_fixed_id = itertools.count()
+
+
+class Prepared:
+    """A launch whose trailing arguments are fixed (a decoding plan's): the call adds the leading
+    tensors and scalars, launch(kernel, grid, tensors + fixed tensors, scalars + fixed scalars, ...).
+
+    The fixed part of the cache key (about 60 scalars, constexprs and tensor keys for the decoding
+    kernel) is hashed once, when the launch is prepared, and stands in the key as one int: a call
+    hashes only its own arguments (building and hashing launch()'s whole key cost ~6 us per call
+    on a CPU where the rest of a decoding call's host path costs ~10). Two launches prepared with
+    equal fixed parts share the int, so they share compiled kernels. The fixed tensors are keyed
+    once: their addresses must not change (nothing flashtile holds is resized in place).
+    """
+
+    def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
+                 launch_pdl: bool = False, **constexprs):
+        self.kernel, self.grid, self.tensors, self.scalars, self.constexprs = kernel, grid, tensors, scalars, constexprs
+        self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
+        fixed = (num_warps, num_stages, launch_pdl, scalars, tuple(constexprs.items()),
+                 tuple(_tensor_key(t) for t in tensors))
+        self._id = _fixed_ids.get(fixed)
+        if self._id is None:
+            if len(_fixed_ids) >= MAX_ENTRIES:
+                _fixed_ids.clear()  # ids are never reused: keys of the dropped ones just stop hitting
+            self._id = _fixed_ids[fixed] = next(_next_fixed_id)
+
+    def __call__(self, tensors: tuple, scalars: tuple) -> None:
+        every = tensors + self.tensors
+        hooks = triton.knobs.runtime
+        if not every[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+            self.kernel[self.grid](*every, *scalars, *self.scalars, **self.constexprs, **self.options)
+            return
+        device = every[0].get_device()
+        key = (self._id, device, scalars, tuple(_tensor_key(t) for t in tensors))
+        _cached_launch(self.kernel, key, self.grid, every, scalars + self.scalars, self.constexprs, self.options,
+                       device)
