@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decode_check import check_kvcache
-from flashtile import api, flash_attn_with_kvcache, merge_attention_states
+from flashtile import DecodePlan, _checks, api, flash_attn_with_kvcache, merge_attention_states
 from flashtile.ops import configs
 
 
@@ -46,9 +46,24 @@ ERRORS = {
                       "cache_seqlens must have shape (2,)"),
     "seqlens-none-append": (_call(cache_seqlens=None), ValueError, "cache_seqlens is required"),
     "seqlens-negative": (_call(cache_seqlens=torch.tensor([-1, 5], dtype=torch.int32)), ValueError, ">= 0"),
-    "overflow": (_call(cache_seqlens=torch.tensor([3, 64], dtype=torch.int32)), ValueError, "cache overflow"),
+    "overflow": (_call(cache_seqlens=torch.tensor([3, 64], dtype=torch.int32)), ValueError,
+                 "cache overflow: batch row 1 holds 64 tokens (cache_seqlens) and appends 1, but k_cache holds 64"),
     "overflow-int": (_call(cache_seqlens=64), ValueError, "cache overflow"),
-    "overflow-paged": (_paged(cache_seqlens=torch.tensor([3, 64], dtype=torch.int32)), ValueError, "cache overflow"),
+    "overflow-append-2": (_call(k=torch.randn(2, 2, 2, 32).half(), v=torch.randn(2, 2, 2, 32).half(),
+                                cache_seqlens=torch.tensor([3, 63], dtype=torch.int32)), ValueError,
+                          "batch row 1 holds 63 tokens (cache_seqlens) and appends 2"),
+    "overflow-no-append": (_call(k=None, v=None, cache_seqlens=torch.tensor([65, 3], dtype=torch.int32)), ValueError,
+                           "batch row 0 holds 65 tokens (cache_seqlens) and appends 0, but k_cache holds 64"),
+    "overflow-paged": (_paged(cache_seqlens=torch.tensor([3, 64], dtype=torch.int32)), ValueError,
+                       "appends 1, but block_table reaches 64 (4 pages of 16)"),
+    "overflow-paged-no-append": (_paged(k=None, v=None, cache_seqlens=torch.tensor([3, 65], dtype=torch.int32)),
+                                 ValueError, "but block_table reaches 64"),
+    "overflow-paged-batch-idx": (_call(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32),
+                                       cache_seqlens=torch.tensor([64, 0], dtype=torch.int32)),
+                                 ValueError, "batch row 0 holds 64 tokens"),
+    "overflow-leftpad": (_call(cache_leftpad=torch.tensor([2, 0], dtype=torch.int32),
+                               cache_seqlens=torch.tensor([64, 3], dtype=torch.int32)), ValueError, "cache overflow"),
+    "seqlens-int-negative": (_call(cache_seqlens=-1), ValueError, "cache_seqlens must be >= 0"),
     "page-size": (_paged(k_cache=torch.randn(8, 24, 2, 32).half(), v_cache=torch.randn(8, 24, 2, 32).half()),
                   ValueError, "multiple of 16"),
     "table-dtype": (_paged(block_table=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "block_table must be int32"),
@@ -62,6 +77,20 @@ ERRORS = {
                         "cache_batch_idx cannot be combined with block_table"),
     "batch-idx-bounds": (_call(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), ValueError,
                          "cache_batch_idx[1] = 2"),
+    "batch-idx-negative": (_call(cache_batch_idx=torch.tensor([-1, 0], dtype=torch.int32)), ValueError,
+                           "cache_batch_idx[0] = -1 is not a sequence of k_cache"),
+    "batch-idx-same-sequence": (_call(cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32)), ValueError,
+                                "batch rows 0 and 1 would both append into sequence 1 of k_cache"),
+    "table-shared-write": (_paged(block_table=torch.tensor([[2, 1, -1, -1], [2, 3, 4, 5]], dtype=torch.int32),
+                                  cache_seqlens=torch.tensor([5, 5], dtype=torch.int32)), ValueError,
+                           "batch rows 0 and 1 would both append into row 5 of page 2 (block_table)"),
+    "table-negative-read": (_paged(k=None, v=None, cache_seqlens=torch.tensor([33, 5], dtype=torch.int32)),
+                            ValueError, "block_table[0, 2] = -1 is not a page of k_cache"),
+    "leftpad-negative": (_call(cache_leftpad=torch.tensor([-1, 0], dtype=torch.int32)), ValueError,
+                         "cache_leftpad[0] = -1"),
+    "leftpad-paged": (_paged(cache_leftpad=torch.tensor([0, 6], dtype=torch.int32)), ValueError,
+                      "cache_leftpad[1] = 6 must be in [0, cache_seqlens[1] = 5]"),
+    "v-not-tensor": (_call(v=[1.0]), TypeError, "v must be a torch.Tensor"),
     "cache-too-few-seqs": (_call(k_cache=torch.randn(1, 64, 2, 32).half(), v_cache=torch.randn(1, 64, 2, 32).half()),
                            ValueError, "at least 2 sequences"),
     "leftpad": (_call(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)), ValueError, "cache_leftpad[0] = 4"),
@@ -78,10 +107,122 @@ ERRORS = {
 
 @pytest.mark.parametrize("args,error,message", ERRORS.values(), ids=ERRORS.keys())
 def test_errors(args, error, message):
-    before = args["k_cache"].clone()
+    before = [args[name].clone() for name in ("k_cache", "v_cache")]
     with pytest.raises(error, match=re.escape(message)):
         flash_attn_with_kvcache(**args)
-    assert torch.equal(args["k_cache"], before), "a rejected call must not touch the cache"
+    for name, was in zip(("k_cache", "v_cache"), before):
+        assert torch.equal(args[name], was), f"a rejected call must not touch {name}"
+
+
+@pytest.mark.parametrize("args,error,message", ERRORS.values(), ids=ERRORS.keys())
+def test_errors_of_a_plan(args, error, message):
+    """DecodePlan takes the same checks (one path): the same calls fail as the plan or its run."""
+    args = dict(args)
+    q, k_cache, v_cache, k, v = (args.pop(name, None) for name in ("q", "k_cache", "v_cache", "k", "v"))
+    before = [t.clone() for t in (k_cache, v_cache)]
+    with pytest.raises(error, match=re.escape(message)):
+        plan = DecodePlan(q.shape[0], q.shape[2], k_cache.shape, args.pop("cache_seqlens", None), dtype=torch.float16,
+                          device="cpu", seqlen_q=q.shape[1], seqlen_new=0 if not isinstance(k, torch.Tensor) else
+                          k.shape[1], **args)
+        plan.run(q, k_cache, v_cache, k, v)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+PLAN_ERRORS = {
+    "cache-shape": (dict(cache_shape=(2, 64, 2)), {}, ValueError, "cache_shape must be k_cache's shape (4 ints)"),
+    "dtype": (dict(dtype=torch.float64), {}, TypeError, "dtype must be float16, bfloat16 or float32"),
+    "lengths-count": (dict(cache_seqlens=[3]), {}, ValueError, "cache_seqlens must hold 2 lengths (batch), got 1"),
+    "lengths-floats": (dict(cache_seqlens=[3.0, 5.5]), {}, TypeError, "cache_seqlens must be a list of ints"),
+    "lengths-int32": (dict(cache_seqlens=[3, 2**33]), {}, ValueError, "cache_seqlens must fit in int32"),
+    "lengths-negative": (dict(cache_seqlens=[3, -2]), {}, ValueError, "cache_seqlens[1] = -2 must be >= 0"),
+    "lengths-overflow": (dict(cache_seqlens=[3, 64]), {}, ValueError,
+                         "batch row 1 holds 64 tokens (cache_seqlens) and appends 1"),
+    "seqlen-q": (dict(seqlen_q=0), {}, ValueError, "seqlen_q must be >= 1, got 0"),
+    "run-q-shape": ({}, dict(q=torch.randn(2, 2, 4, 32).half()), ValueError,
+                    "q's shape is (2, 2, 4, 32), but the plan was made for (2, 1, 4, 32)"),
+    "run-q-dtype": ({}, dict(q=torch.randn(2, 1, 4, 32), k_cache=torch.randn(2, 64, 2, 32),
+                             v_cache=torch.randn(2, 64, 2, 32), k=torch.randn(2, 1, 2, 32), v=torch.randn(2, 1, 2, 32)),
+                    ValueError, "q's dtype is torch.float32, but the plan was made for torch.float16"),
+    "run-cache-shape": ({}, dict(k_cache=torch.randn(3, 64, 2, 32).half(), v_cache=torch.randn(3, 64, 2, 32).half()),
+                        ValueError, "k_cache's shape is (3, 64, 2, 32), but the plan was made for (2, 64, 2, 32)"),
+    "run-v-cache-dtype": ({}, dict(v_cache=torch.randn(2, 64, 2, 32)), TypeError, "v_cache must have the dtype of q"),
+    "run-without-k": ({}, dict(k=None, v=None), ValueError,
+                      "seqlen_new (k.shape[1]) is 0, but the plan was made for 1"),
+    "run-k-without-v": ({}, dict(v=None), ValueError, "k and v must be given together"),
+    "run-k-not-planned": (dict(seqlen_new=0), {}, ValueError,
+                          "seqlen_new (k.shape[1]) is 1, but the plan was made for 0"),
+    "run-q-not-tensor": ({}, dict(q="q"), TypeError, "q must be a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("plan_change,run_change,error,message", PLAN_ERRORS.values(), ids=PLAN_ERRORS.keys())
+def test_plan_errors(plan_change, run_change, error, message):
+    tensors = _call(**run_change)
+    plan_args = dict(batch=2, nheads=4, cache_shape=(2, 64, 2, 32), cache_seqlens=[3, 5], dtype=torch.float16,
+                     device="cpu", seqlen_new=1)
+    plan_args.update(plan_change)
+    before = [tensors[name].clone() for name in ("k_cache", "v_cache")]
+    with pytest.raises(error, match=re.escape(message)):
+        DecodePlan(**plan_args).run(*(tensors[name] for name in ("q", "k_cache", "v_cache", "k", "v")))
+    assert torch.equal(tensors["k_cache"], before[0]) and torch.equal(tensors["v_cache"], before[1])
+
+
+def test_a_call_plans_once_per_version(monkeypatch):
+    """flash_attn_with_kvcache keeps the plan of a call: the layers of a step (same index tensors,
+    unchanged) plan and check once; writing an index tensor in place makes the next call check it
+    again, and an overflow written that way is caught with the cache untouched."""
+    made = []
+    real = DecodePlan._plan
+    monkeypatch.setattr(DecodePlan, "_plan", lambda self, *a, **kw: made.append(1) or real(self, *a, **kw))
+    args = _paged()
+    with api.use_backend("reference"):
+        for _ in range(3):  # three layers of one step: other q, k, v and caches, the same index tensors
+            flash_attn_with_kvcache(**{**args, **{n: torch.randn_like(args[n]) for n in ("q", "k", "v", "k_cache")}})
+        assert len(made) == 1
+        args["cache_seqlens"][1] = 64  # in place: 64 + 1 is past the 4 pages of sequence 1
+        before = args["v_cache"].clone()
+        with pytest.raises(ValueError, match="block_table reaches 64"):
+            flash_attn_with_kvcache(**args)
+        assert torch.equal(args["v_cache"], before) and len(made) == 2
+        args["cache_seqlens"][1] = 6
+        flash_attn_with_kvcache(**args)
+        flash_attn_with_kvcache(**args)
+        assert len(made) == 3
+        flash_attn_with_kvcache(**args, window_size=[-1, -1])  # a list cannot be a key: planned alone
+        assert len(made) == 4
+
+
+def test_values_unread_under_capture_are_not_checked(monkeypatch):
+    """Where the host cannot read the index values (CUDA-graph capture: host_copy returns None),
+    the call is planned without value checks, and such a plan is never reused."""
+    monkeypatch.setattr(_checks, "host_copy", lambda t: None)
+    args = _call(cache_seqlens=torch.tensor([3, 99], dtype=torch.int32))
+    plan = api._plan_of_call(*(args[n] for n in ("q", "k_cache", "v_cache", "k", "v")), (
+        args["cache_seqlens"], None, None, None, None, False, (-1, -1), 0.0, None, None, None, True, 0))
+    assert not plan._checked and not any(p is plan for p in api._recent_plans.values())
+    with pytest.raises(ValueError, match="cache overflow"):
+        flash_attn_with_kvcache(**_call(cache_seqlens=64))  # an int is a host value: always checked
+
+
+VALUE_CASES = {  # check_cache_values: (kwargs, the longest key range)
+    "contiguous": (dict(lengths=[3, 10, 0], seqlen_new=2), 12),
+    "leftpad": (dict(lengths=[3, 10, 0], seqlen_new=2, leftpad=[1, 9, 0]), 4),
+    "paged": (dict(lengths=[20, 0, 31], seqlen_new=1, table=[[0, 1], [2, -1], [3, 4]], page_size=16), 32),
+    "paged-leftpad-skips-pages": (dict(lengths=[20, 0, 31], seqlen_new=1, table=[[-1, 1], [2, -1], [3, 4]],
+                                       leftpad=[16, 0, 0], page_size=16), 32),
+    "shared-read-pages": (dict(lengths=[16, 16], seqlen_new=1, table=[[0, 1], [0, 2]], page_size=16), 17),
+    "rotary": (dict(lengths=[3, 10, 0], seqlen_new=2, rotary_len=12, rotary_reach=2), 12),
+}
+
+
+@pytest.mark.parametrize("kw,want", VALUE_CASES.values(), ids=VALUE_CASES.keys())
+def test_check_cache_values(kw, want):
+    kw = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in kw.items()}
+    paged = "table" in kw
+    assert _checks.check_cache_values(kw.pop("lengths"), kw.pop("seqlen_new"), 32 if paged else 20,
+                                      5 if paged else 3, **kw) == want
+    with pytest.raises(ValueError, match="rotary_cos/rotary_sin have 11 positions"):
+        _checks.check_cache_values(torch.tensor([3, 10]), 2, 20, 3, rotary_len=11, rotary_reach=2)
 
 
 MERGE_ERRORS = {

@@ -4,11 +4,13 @@ Same check as the interpreter tests (tests/decode_check.py): 2x rule against the
 outputs and split partials poisoned, cache changed exactly at the appended slots.
 """
 
+import re
+
 import pytest
 import torch
 
-from decode_check import check_kvcache
-from flashtile import flash_attn_with_kvcache, merge_attention_states
+from decode_check import check_kvcache, make_cache
+from flashtile import DecodePlan, flash_attn_with_kvcache, merge_attention_states
 from flashtile.reference.decoding import merge
 from flashtile.testing import assert_2x
 
@@ -131,3 +133,168 @@ def test_cuda_graph_capture():
     graph.replay()
     want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=seqlens)
     torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+# ---- DecodePlan, overflow and the host path on the GPU -----------------------------------------
+
+@pytest.mark.parametrize("page_size", [None, 16, 64], ids=["contiguous", "page16", "page64"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_plan_matches_the_call_and_the_oracle(page_size, dtype):
+    for lengths_from in ("list", "tensor"):
+        check_kvcache(4, 1, 16, 2, 128, 4096, 1, dtype, "cuda", page_size=page_size, plan=lengths_from)
+        check_kvcache(3, 2, 16, 2, 128, 2048, 2, dtype, "cuda", page_size=page_size, plan=lengths_from,
+                      leftpad=True, causal=True, rotary=(128, True))
+
+
+def _graph_of(fn):
+    """fn() captured in a CUDA graph after a warm-up on a side stream (compiles the kernels)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("num_splits", [1, 0], ids=["one-split", "heuristic"])
+def test_plan_run_in_a_cuda_graph(page_size, num_splits):
+    """plan.run reads nothing on the host: captured once, replayed on new q, k, v and cache
+    contents (copied into the captured tensors), it equals an eager run of the same plan on copies
+    of the same inputs, bit for bit, and appends the same keys."""
+    torch.manual_seed(0)
+    b, h, hk, d, capacity = 4, 16, 2, 128, 4096
+    lengths = [4000, 17, 3000, 0]
+    k_cache, v_cache, table = make_cache(b, capacity, hk, d, torch.float16, "cuda", page_size, b)
+    plan = DecodePlan(b, h, k_cache.shape, lengths, dtype=torch.float16, device="cuda", seqlen_new=1,
+                      block_table=table, causal=True, num_splits=num_splits)
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    graph, out = _graph_of(lambda: plan.run(q, k_cache, v_cache, k, v))
+    for _ in range(3):
+        for t in (q, k, v, k_cache, v_cache):
+            t.copy_(torch.randn_like(t))
+        k_eager, v_eager = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        want = plan.run(q, k_eager, v_eager, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+    assert torch.isfinite(out).all()
+
+
+def _overflow_cases():
+    """(name, flash_attn_with_kvcache kwargs, message) of every overflow path, on CUDA tensors."""
+    dev = dict(device="cuda")
+    q = torch.randn(2, 1, 4, 64, **dev).half()
+    k, v = torch.randn(2, 2, 2, 64, **dev).half(), torch.randn(2, 2, 2, 64, **dev).half()
+    contiguous = dict(q=q, k_cache=torch.randn(3, 128, 2, 64, **dev).half(),
+                      v_cache=torch.randn(3, 128, 2, 64, **dev).half(), k=k, v=v)
+    paged = dict(contiguous, k_cache=torch.randn(10, 16, 2, 64, **dev).half(),
+                 v_cache=torch.randn(10, 16, 2, 64, **dev).half(),
+                 block_table=torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]], dtype=torch.int32, **dev))
+
+    def lens(*n):
+        return torch.tensor(n, dtype=torch.int32, **dev)
+
+    return {
+        "contiguous-append": (dict(contiguous, cache_seqlens=lens(5, 127)), "k_cache holds 128"),
+        "contiguous-attend": (dict(contiguous, k=None, v=None, cache_seqlens=lens(129, 0)), "k_cache holds 128"),
+        "paged-append": (dict(paged, cache_seqlens=lens(63, 3)), "block_table reaches 64"),
+        "paged-attend": (dict(paged, k=None, v=None, cache_seqlens=lens(65, 3)), "block_table reaches 64"),
+        "paged-unallocated": (dict(paged, cache_seqlens=lens(3, 31)), "block_table[1, 2] = -1"),
+        "batch-idx": (dict(contiguous, cache_seqlens=lens(5, 3), cache_batch_idx=lens(0, 3)), "cache_batch_idx[1] = 3"),
+        "batch-idx-same": (dict(contiguous, cache_seqlens=lens(5, 3), cache_batch_idx=lens(2, 2)),
+                           "would both append into sequence 2"),
+        "leftpad": (dict(contiguous, cache_seqlens=lens(5, 3), cache_leftpad=lens(0, 4)), "cache_leftpad[1] = 4"),
+        "leftpad-paged": (dict(paged, cache_seqlens=lens(5, 3), cache_leftpad=lens(-1, 0)), "cache_leftpad[0] = -1"),
+    }
+
+
+def test_overflow_raises_and_writes_nothing():
+    for name, (kw, message) in _overflow_cases().items():
+        before = kw["k_cache"].clone(), kw["v_cache"].clone()
+        with pytest.raises(ValueError, match=re.escape(message)):
+            flash_attn_with_kvcache(**kw)
+        torch.cuda.synchronize()
+        assert torch.equal(kw["k_cache"], before[0]) and torch.equal(kw["v_cache"], before[1]), name
+
+
+def test_overflow_written_in_place_is_caught():
+    """The first layer of a step plans (one device read of the lengths), later layers reuse the
+    plan without reading anything; a length written in place is read and checked again."""
+    kw, message = _overflow_cases()["paged-append"]
+    kw["cache_seqlens"] = torch.tensor([10, 3], dtype=torch.int32, device="cuda")
+    flash_attn_with_kvcache(**kw)
+    torch.cuda.set_sync_debug_mode("error")  # any device -> host read now raises
+    try:
+        flash_attn_with_kvcache(**kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    kw["cache_seqlens"] += 53  # 63 + 2 > 64: on the device, in place
+    before = kw["k_cache"].clone()
+    with pytest.raises(ValueError, match=message):
+        flash_attn_with_kvcache(**kw)
+    assert torch.equal(kw["k_cache"], before)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_generate_steps_never_read_the_device(kind):
+    """KVCache knows its lengths on the host: planning a step (reserving pages included) and running
+    every layer never waits for the GPU (torch's sync debug mode raises on any device read)."""
+    from flashtile import KVCache, PagedKVCache
+
+    if kind == "paged":
+        cache = PagedKVCache(64, 16, 4, 2, 128, num_layers=4, dtype=torch.float16, device="cuda")
+    else:
+        cache = KVCache(4, 512, 2, 128, num_layers=4, dtype=torch.float16, device="cuda")
+    inputs = [(torch.randn(4, 1, 16, 128, device="cuda", dtype=torch.float16),
+               *(torch.randn(4, 1, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))) for _ in range(4)]
+    for layer in range(4):  # compiles the kernels (Triton reads the device while compiling)
+        cache.attend(*inputs[layer], layer=layer, causal=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(40):
+            for layer in range(4):
+                cache.attend(*inputs[layer], layer=layer, causal=True)
+            cache.advance(1 if step % 3 else [1, 2, 1, 3])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.seqlens.tolist() == cache.lengths
+
+
+def test_unchecked_indices_in_a_cuda_graph():
+    """Captured with valid lengths, replayed after writing out-of-range values in place (nothing is
+    checked on replay): the kernels clamp - no NaN from the guard rows around the cache, no write
+    outside it, and the valid rows still equal an eager call."""
+    torch.manual_seed(0)
+    b, h, hk, d, capacity, guard = 4, 16, 2, 128, 1024, 64
+    whole_k = torch.full((b + 2, capacity + 2 * guard, hk, d), float("nan"), device="cuda", dtype=torch.float16)
+    whole_v = whole_k.clone()
+    k_cache, v_cache = whole_k[1:-1, guard:-guard], whole_v[1:-1, guard:-guard]
+    k_cache.copy_(torch.randn_like(k_cache)), v_cache.copy_(torch.randn_like(v_cache))
+    seqlens = torch.tensor([100, 900, 5, 7], dtype=torch.int32, device="cuda")
+    batch_idx = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    leftpad = torch.zeros(4, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    kw = dict(cache_seqlens=seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad, num_splits=2)
+    graph, out = _graph_of(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw))
+    seqlens.copy_(torch.tensor([100, 900, 2**31 - 1, -2**31], dtype=torch.int32))
+    batch_idx.copy_(torch.tensor([0, 1, 7, -3], dtype=torch.int32))
+    leftpad.copy_(torch.tensor([0, 0, -2**31, 2**31 - 1], dtype=torch.int32))
+    inside = torch.zeros(whole_k.shape[:2], dtype=torch.bool, device="cuda")
+    inside[1:-1, guard:-guard] = True
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert whole_k[~inside].isnan().all() and whole_v[~inside].isnan().all()
+    assert (out[2:] == 0).all()  # cache_batch_idx outside k_cache: no keys
+    want = flash_attn_with_kvcache(q[:2], k_ref, v_ref, k[:2], v[:2], cache_seqlens=seqlens[:2],
+                                   cache_batch_idx=batch_idx[:2], cache_leftpad=leftpad[:2], num_splits=2)
+    torch.testing.assert_close(out[:2], want, atol=0, rtol=0)

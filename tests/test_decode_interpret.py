@@ -9,8 +9,9 @@ count below leaves some splits several tiles long and others empty.
 import pytest
 import torch
 
-from decode_check import check_kvcache
-from flashtile import api
+from decode_check import check_kvcache, make_cache, poisoned_empty
+from flashtile import DecodePlan, _checks, api
+from flashtile.reference.kvcache import attention_with_kvcache
 from flashtile.testing import assert_2x
 
 pytestmark = pytest.mark.interpret
@@ -171,3 +172,136 @@ def test_merge_strided_input():
     want, want_lse = api.merge_attention_states(out_partial, lse_partial)
     torch.testing.assert_close(out, want.transpose(0, 1))
     torch.testing.assert_close(lse, want_lse.transpose(0, 1))
+
+
+# ---- DecodePlan: the same kernels, planned once -----------------------------------------------
+
+PLAN_CASES = {  # (b, sq, h, hk, d, capacity, s_new), options
+    "gqa4-append": ((3, 1, 8, 2, 64, 200, 1), dict(num_splits=3)),
+    "mqa-no-append-sq2": ((2, 2, 4, 1, 40, 150, 0), dict(causal=True)),
+    "paged16-append": ((2, 1, 8, 2, 32, 160, 1), dict(page_size=16, causal=True)),
+    "paged64-spec3": ((2, 3, 8, 2, 32, 200, 3), dict(page_size=64, causal=True, num_splits=2)),
+    "batch-idx": ((3, 1, 4, 2, 32, 100, 1), dict(batch_idx=True, num_splits=2)),
+    "leftpad-rotary": ((3, 2, 4, 2, 32, 150, 2), dict(leftpad=True, rotary=(32, True), causal=True)),
+    "paged-leftpad-alibi": ((3, 1, 4, 2, 32, 160, 1), dict(leftpad=True, page_size=16, alibi="h")),
+    "int-seqlens": ((2, 2, 6, 3, 32, 100, 2), dict(int_seqlens=True, window=(20, 0))),
+}
+
+
+@pytest.mark.parametrize("lengths_from", ["list", "tensor"])
+@pytest.mark.parametrize("shape,options", PLAN_CASES.values(), ids=PLAN_CASES.keys())
+def test_plan_matches_the_call_and_the_oracle(shape, options, lengths_from):
+    """DecodePlan.run against the float64 oracle (2x rule) and bit for bit against
+    flash_attn_with_kvcache (tests/decode_check.py, plan=...)."""
+    check_kvcache(*shape, torch.float16, "cpu", plan=lengths_from, **options)
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+def test_one_plan_runs_every_layer(page_size):
+    """One plan, four layers with their own caches and inputs: every run equals flash_attn_with_kvcache
+    on that layer's tensors (the split partials the plan owns carry nothing from one run to the
+    next), and the appended keys land where the call puts them."""
+    b, h, hk, d, capacity = 3, 8, 2, 32, 128
+    lengths = [100, 0, 37]
+    table = None if page_size is None else torch.randperm(b * capacity // page_size).view(b, -1).int()
+    with poisoned_empty():
+        plan = DecodePlan(b, h, (b if table is None else table.numel(), page_size or capacity, hk, d), lengths,
+                          dtype=torch.float16, device="cpu", seqlen_new=1, block_table=table, causal=True,
+                          num_splits=3)
+    assert plan.num_splits == 3
+    for layer in range(4):
+        k_cache, v_cache, _ = make_cache(b, capacity, hk, d, torch.float16, "cpu", page_size, b)
+        if table is not None:
+            k_cache, v_cache = k_cache[:table.numel()], v_cache[:table.numel()]
+        q = torch.randn(b, 1, h, d).half()
+        k, v = torch.randn(b, 1, hk, d).half(), torch.randn(b, 1, hk, d).half()
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out, lse = plan.run(q, k_cache, v_cache, k, v, return_softmax_lse=True)
+        want, want_lse = api.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor(lengths).int(),
+                                                     block_table=table, causal=True, num_splits=3,
+                                                     return_softmax_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), f"layer {layer}"
+        assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc), f"layer {layer}: appended keys"
+
+
+# ---- indices the host cannot check (CUDA-graph capture): clamped, never out of bounds -------------
+
+G = 16  # guard rows around every tensor the kernels index: NaN, so a read shows up as a NaN output
+
+
+def _guarded(shape, dtype=torch.float16):
+    """A random tensor of `shape` inside NaN guards: (view, the whole buffer, mask of the view)."""
+    whole = torch.full((shape[0] + 2, shape[1] + 2 * G, *shape[2:]), float("nan"), dtype=dtype)
+    inside = torch.zeros(whole.shape[:2], dtype=torch.bool)
+    inside[1:-1, G:-G] = True
+    view = whole[1:-1, G:-G]
+    view.copy_(torch.randn(shape))
+    return view, whole, inside
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 32], ids=["contiguous", "page16", "page32"])
+def test_unchecked_indices_stay_inside_the_tensors(page_size, monkeypatch):
+    """As under capture (host_copy cannot read the values), one out-of-range index per batch row:
+    an append past the capacity, cache_seqlens negative and past the capacity, cache_batch_idx or
+    pages outside k_cache, cache_leftpad negative and past the length, positions past the rotary
+    tables. Rows 0 and 1 are valid and must be right; a cache_batch_idx outside k_cache leaves its
+    row with no keys (zeros, lse -inf); the others may be anything finite. Nothing outside the
+    cache is written, no guard is read (a guard would turn an output NaN), and the cache changes
+    exactly at the appended slots that lie inside it."""
+    monkeypatch.setattr(_checks, "host_copy", lambda t: None)
+    sq, h, hk, d, s_new = 2, 4, 2, 32, 2
+    pages_per_seq = 3
+    capacity = pages_per_seq * page_size if page_size else 48
+    rotary_len = capacity - 4
+    #                         valid  valid  append past  negative  past cap      bad index  bad index  leftpads
+    lengths = torch.tensor([5, 30, capacity - 1, -1000, capacity + 7, 9, 20, 12, 12], dtype=torch.int32)
+    leftpad = torch.tensor([1, 0, 0, 0, 0, 0, 0, -1000, 1000], dtype=torch.int32)
+    b = lengths.numel()
+    bad_rows = (5, 6)
+    kw = dict(cache_seqlens=lengths, cache_leftpad=leftpad, causal=True, num_splits=2)
+    if page_size:
+        num_pages = b * pages_per_seq
+        table = torch.randperm(num_pages).view(b, pages_per_seq).int()
+        table[5, 0], table[6, 1] = -7, num_pages + 2  # pages outside k_cache
+        kw["block_table"] = table
+        shape = (num_pages, page_size, hk, d)
+    else:
+        shape = (b + 1, capacity, hk, d)
+        kw["cache_batch_idx"] = torch.tensor([1, 0, 2, 3, 4, -1, b + 1, 5, 6], dtype=torch.int32)
+    (k_cache, k_whole, inside), (v_cache, v_whole, _) = _guarded(shape), _guarded(shape)
+    angle = 6.3 * torch.rand(rotary_len, 8)  # rotary tables shorter than the cache, NaN after them
+    (cos, _, _), (sin, _, _) = _guarded((rotary_len, 8)), _guarded((rotary_len, 8))
+    cos.copy_(angle.cos()), sin.copy_(angle.sin())
+    q = torch.randn(b, sq, h, d).half()
+    k, v = torch.randn(b, s_new, hk, d).half(), torch.randn(b, s_new, hk, d).half()
+    k_before, v_before = k_whole.clone(), v_whole.clone()
+
+    out, lse = api.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                           return_softmax_lse=True, **kw)
+
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    for whole in (k_whole, v_whole):
+        assert whole[~inside].isnan().all(), "a write outside the cache"
+    if not page_size:
+        for row in bad_rows:
+            assert (out[row] == 0).all() and (lse[row] == float("-inf")).all(), f"row {row} of no sequence"
+    # the rows the valid append slots write: positions in [0, capacity), pages / sequences of k_cache
+    written = torch.zeros(shape[:2], dtype=torch.bool)
+    for row in range(b):
+        for pos in range(int(lengths[row]), int(lengths[row]) + s_new):
+            if not 0 <= pos < capacity:
+                continue
+            seq = int(table[row, pos // page_size]) if page_size else int(kw["cache_batch_idx"][row])
+            if 0 <= seq < shape[0]:
+                written[seq, pos % page_size if page_size else pos] = True
+    changed = (k_whole[1:-1, G:-G] != k_before[1:-1, G:-G]).flatten(2).any(-1)
+    assert torch.equal(changed, written)
+
+    # the valid rows, against the oracle on a copy of the cache before the call
+    monkeypatch.undo()
+    for row in (0, 1):
+        sub = {n: x[row:row + 1] for n, x in kw.items() if isinstance(x, torch.Tensor)}
+        k_ref, v_ref = k_before[1:-1, G:-G].clone(), v_before[1:-1, G:-G].clone()
+        ref, _ = attention_with_kvcache(q[row:row + 1], k_ref, v_ref, k[row:row + 1], v[row:row + 1], cos, sin,
+                                        causal=True, compute_dtype=torch.float64, **sub)
+        torch.testing.assert_close(out[row:row + 1].double(), ref, atol=2e-2, rtol=0)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from flashtile import KVCache, PagedKVCache
+from flashtile import DecodePlan, KVCache, PagedKVCache
 from flashtile.reference import naive
 from flashtile.testing import assert_2x
 
@@ -50,8 +50,12 @@ def _empty_history(layers=2):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("kind", ["contiguous", "paged16"])
-def test_generate_loop(kind):
-    """Prefill 5 tokens (ragged: sequences keep 5, 2 and 4), then decode; sequence 1 restarts."""
+def test_generate_loop(kind, monkeypatch):
+    """Prefill 5 tokens (ragged: sequences keep 5, 2 and 4), then decode; sequence 1 restarts.
+    Each step plans once (its first layer) and every layer runs that plan."""
+    plans = []
+    real = DecodePlan.__init__
+    monkeypatch.setattr(DecodePlan, "__init__", lambda self, *a, **kw: plans.append(self) or real(self, *a, **kw))
     cache = _caches()[kind]
     history = _empty_history()
     steps = [(5, [5, 2, 4]), (1, 1), (3, 3), (1, 1), (1, 1)]
@@ -62,7 +66,9 @@ def test_generate_loop(kind):
         for layer in range(2):
             k, v = _check_step(cache, history, layer, sq)
             _keep(history, layer, k, v, advance if isinstance(advance, list) else [advance] * B)
+            assert len(plans) == step + 1 and cache._plan is plans[-1]
         cache.advance(advance)
+        assert cache._plan is None
     assert cache.lengths == [len(history[0][b][0]) for b in range(B)]
     assert cache.seqlens.tolist() == cache.lengths
 
@@ -80,6 +86,53 @@ def test_paged_pages_follow_the_lengths():
     assert cache.pages_free == 10 - 2 * (B - 1) and (cache.block_table[0] == -1).all()
     with pytest.raises(RuntimeError, match="out of pages"):
         cache.attend(*(torch.randn(B, 40, h, D).half() for h in (H, HK, HK)))
+
+
+def test_plan_follows_the_step():
+    """cache.plan: one plan for the layers of a step; a new one when the lengths, the query's shape or
+    the options change; the plan's lengths are the cache's (host and device agree)."""
+    cache = PagedKVCache(16, 16, B, HK, D, max_seq_len=64)
+    q = torch.randn(B, 1, H, D).half()
+    plan = cache.plan(q, 1, causal=True)
+    assert cache.plan(q, 1, causal=True) is plan
+    assert cache.plan(q, 1, causal=False) is not plan  # other options
+    plan = cache.plan(q, 1, causal=True)
+    assert cache.plan(torch.randn(B, 2, H, D).half(), 2, causal=True) is not plan  # another step shape
+    slopes = torch.rand(H)
+    plan = cache.plan(q, 1, alibi_slopes=slopes)
+    assert cache.plan(q, 1, alibi_slopes=slopes) is plan
+    assert cache.plan(q, 1, alibi_slopes=slopes.clone()) is not plan  # tensors by identity
+    cache.advance([3, 0, 17])
+    plan = cache.plan(q, 1)
+    assert plan._args["cache_seqlens"] is cache.seqlens and cache.seqlens.tolist() == [3, 0, 17]
+    assert plan.num_splits >= 1 and cache.pages_free == 16 - 1 - 1 - 2  # pages for 4, 1 and 18 tokens
+
+
+def test_rejected_steps_change_nothing():
+    """advance past the capacity, or running out of pages, leaves lengths, tables and caches as they
+    were; pages handed out before running out are on the device table too."""
+    cache = PagedKVCache(3, 16, B, HK, D, max_seq_len=64)
+    cache.advance([10, 0, 0])
+    with pytest.raises(ValueError, match="advance past the capacity"):
+        cache.advance([1, 70, 0])
+    assert cache.lengths == [10, 0, 0] and cache.seqlens.tolist() == [10, 0, 0]
+    q, k, v = (torch.randn(B, 20, n, D).half() for n in (H, HK, HK))
+    before = cache.k.clone()
+    with pytest.raises(RuntimeError, match="out of pages"):
+        cache.attend(q, k, v)
+    assert torch.equal(cache.k, before) and cache.pages_free == 0
+    assert torch.equal(cache.block_table, cache._host_table)
+    assert (cache.block_table >= 0).sum() == 3
+
+
+def test_made_in_inference_mode():
+    """A cache made inside inference_mode keeps tensors with a version counter, so the checks know
+    its lengths from the host (on a GPU: no device read per step)."""
+    with torch.inference_mode():
+        cache = PagedKVCache(8, 16, B, HK, D, max_seq_len=64)
+        cache.advance(2)
+    assert not cache.seqlens.is_inference() and not cache.block_table.is_inference()
+    assert cache.seqlens.tolist() == [2, 2, 2]
 
 
 def test_capacity_errors():

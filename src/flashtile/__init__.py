@@ -4,6 +4,7 @@ Re-exports only. Importing flashtile does not import triton: the kernels load on
 """
 
 from flashtile.api import (
+    DecodePlan,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,

@@ -217,6 +217,30 @@ def cached_copy(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def set_host_copy(t: torch.Tensor, host: torch.Tensor) -> None:
+    """Record host (a CPU tensor of t's values) as t's host copy for t's current version, so that
+    host_copy needs no device read: for a caller that wrote t from values it holds on the host
+    (the KVCache helpers, DecodePlan). host must not change afterwards."""
+    if t.device.type == "cpu" or t.is_inference():
+        return
+    key = id(t)
+    _host_cache[key] = (weakref.ref(t, lambda _, key=key: _host_cache.pop(key, None)), t._version, host)
+
+
+def upload(host: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst.copy_(host) without waiting for the device, and host recorded as dst's host copy.
+
+    A plain copy from pageable host memory makes the host wait until the device has run everything
+    queued before it (torch synchronises the stream); from pinned memory with non_blocking it is
+    queued like a kernel, and torch's pinned allocator keeps the staging buffer until it has run.
+    """
+    if dst.is_cuda:
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)
+    set_host_copy(dst, host)
+
+
 def check_index_tensor(name: str, t, device, shape: tuple) -> None:
     """An int32 index tensor of the given shape (None = any size there) on device."""
     if not isinstance(t, torch.Tensor):
@@ -340,3 +364,89 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
                   None if seqused_k is None else seqused_k.contiguous(),
                   None if block_table is None else block_table.contiguous())
+
+
+# --------------------------------------------------------------------------------------------
+# Values of a KV cache's index tensors (flash_attn_with_kvcache, DecodePlan)
+# --------------------------------------------------------------------------------------------
+
+def check_cache_values(lengths: torch.Tensor, seqlen_new: int, capacity: int, cache_rows: int, *,
+                       seqlens_name: str = "cache_seqlens", leftpad=None, batch_idx=None, table=None,
+                       page_size: int = 0, rotary_len: Optional[int] = None, rotary_reach: int = 0) -> int:
+    """Check the host values of a decoding call's indices; return the longest key range of a row.
+
+    lengths (b,): tokens already cached per batch row; seqlen_new appended after them. Contiguous:
+    capacity = k_cache.shape[1], cache_rows = k_cache.shape[0] sequences (batch_idx (b,) picks
+    them). Paged: table (b, max_pages) of pages of page_size rows, capacity = max_pages *
+    page_size, cache_rows = pages in k_cache. leftpad (b,): the first position a row reads. The
+    rotary tables (rotary_len positions) must reach lengths + rotary_reach. Every argument is a
+    CPU tensor; one vectorised pass each, no loop over rows (serving batches hold hundreds).
+    Besides bounds, two batch rows must not append into the same cache rows: one would overwrite
+    the other (pages shared for reading, as prefix caches do, are fine).
+    """
+    b = lengths.shape[0]
+    if b == 0:
+        return 0
+    lengths = lengths.long()
+    ends = lengths + seqlen_new  # (b,) one past the last position each row writes or reads
+    bad = (lengths < 0) | (ends > capacity)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        n = int(lengths[row])
+        if n < 0:
+            raise ValueError(f"{seqlens_name}[{row}] = {n} must be >= 0")
+        reach = (f"block_table reaches {capacity} ({table.shape[1]} pages of {page_size})" if table is not None
+                 else f"k_cache holds {capacity} per sequence (k_cache.shape[1])")
+        raise ValueError(f"cache overflow: batch row {row} holds {n} tokens ({seqlens_name}) and appends "
+                         f"{seqlen_new}, but {reach}")
+    starts = torch.zeros_like(lengths)
+    if leftpad is not None:
+        starts = leftpad.long()
+        bad = (starts < 0) | (starts > lengths)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            raise ValueError(f"cache_leftpad[{row}] = {int(starts[row])} must be in [0, {seqlens_name}[{row}] = "
+                             f"{int(lengths[row])}]")
+    if batch_idx is not None:
+        rows = batch_idx.long()
+        bad = (rows < 0) | (rows >= cache_rows)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            raise ValueError(f"cache_batch_idx[{row}] = {int(rows[row])} is not a sequence of k_cache (it holds "
+                             f"{cache_rows})")
+        if seqlen_new:
+            _check_disjoint(rows[:, None], lambda r: f"sequence {r} of k_cache (cache_batch_idx)")
+    if table is not None:
+        pages = table.long()
+        slot = torch.arange(pages.shape[1])[None, :]  # (1, max_pages)
+        reads = (slot >= (starts // page_size)[:, None]) & (slot < ((ends + page_size - 1) // page_size)[:, None])
+        bad = reads & ((pages < 0) | (pages >= cache_rows))
+        if bool(bad.any()):
+            row, col = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"block_table[{row}, {col}] = {int(pages[row, col])} is not a page of k_cache "
+                             f"(num_blocks = {cache_rows}), and batch row {row} uses it")
+        if seqlen_new:
+            pos = lengths[:, None] + torch.arange(seqlen_new)[None, :]  # (b, seqlen_new) written positions
+            _check_disjoint(pages.gather(1, pos // page_size) * page_size + pos % page_size,
+                            lambda r: f"row {r % page_size} of page {r // page_size} (block_table)")
+    if rotary_len is not None and int(lengths.max()) + rotary_reach > rotary_len:
+        raise ValueError(f"rotary_cos/rotary_sin have {rotary_len} positions, but the new tokens and queries "
+                         f"reach position {int(lengths.max()) + rotary_reach - 1}")
+    return int((ends - starts).max())
+
+
+def _check_disjoint(written: torch.Tensor, where) -> None:
+    """written (b, n): the cache rows each batch row appends to; none may be written twice (the
+    second write would replace the first). where(row) names a cache row for the message."""
+    if written.numel() < 2:
+        return
+    owner = torch.arange(written.shape[0])[:, None].expand_as(written).flatten()
+    flat, order = written.flatten().sort()
+    same = (flat[1:] == flat[:-1]).nonzero()
+    if same.numel():
+        j = int(same[0])
+        a, b = sorted((int(owner[order[j]]), int(owner[order[j + 1]])))
+        raise ValueError(f"batch rows {a} and {b} would both append into {where(int(flat[j]))}: one write "
+                         f"would replace the other" if a != b else
+                         f"batch row {a} would append into {where(int(flat[j]))} twice (its block_table "
+                         f"lists a page twice)")

@@ -304,65 +304,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 # --------------------------------------------------------------------------------------------
-# Decoding: flash_attn_with_kvcache and merge_attention_states (ops.decode; reference.kvcache)
+# Decoding: flash_attn_with_kvcache, DecodePlan and merge_attention_states (ops.decode;
+# reference.kvcache)
 # --------------------------------------------------------------------------------------------
 
-def _check_index(name: str, t, device, ndim: int, rows: int) -> None:
-    """An int32 index tensor (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if t.dim() != ndim or t.shape[0] != rows or (ndim == 2 and t.shape[1] < 1):
-        want = f"({rows},)" if ndim == 1 else f"({rows}, max_blocks_per_seq)"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
-
-
-def _check_host_values(lengths, s_new, sq, capacity, cache_leftpad, block_table, num_pages,
-                       rotary_cos, local) -> None:
-    """Checks that read index values: only run when they are on the host (see the docstring)."""
-    if lengths.numel() == 0:
-        return
-    if int(lengths.min()) < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {lengths.tolist()}")
-    if int(lengths.max()) + s_new > capacity:
-        row = int(lengths.argmax())
-        raise ValueError(
-            f"cache overflow: batch row {row} holds {int(lengths[row])} tokens and appends {s_new}, "
-            f"but the cache holds {capacity} tokens per sequence")
-    if cache_leftpad is not None and cache_leftpad.device.type == "cpu":
-        bad = (cache_leftpad < 0) | (cache_leftpad > lengths)
-        if bad.any():
-            row = int(bad.int().argmax())
-            raise ValueError(f"cache_leftpad[{row}] = {int(cache_leftpad[row])} must be in "
-                             f"[0, cache_seqlens[{row}] = {int(lengths[row])}]")
-    if block_table is not None and block_table.device.type == "cpu":
-        page_size = capacity // block_table.shape[1]
-        for row, n in enumerate((lengths + s_new).tolist()):
-            used = block_table[row, : -(-n // page_size)]
-            bad = (used < 0) | (used >= num_pages)
-            if bad.any():
-                j = int(bad.int().argmax())
-                raise ValueError(f"block_table[{row}, {j}] = {int(used[j])} is not a page of k_cache "
-                                 f"(num_blocks = {num_pages}); batch row {row} uses its first "
-                                 f"{used.numel()} entries")
-    if rotary_cos is not None:
-        need = int(lengths.max()) + max(s_new, sq if local else 1)
-        if rotary_cos.shape[0] < need:
-            raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, but the "
-                             f"new tokens and queries reach position {need - 1}")
-
-
-def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, num_splits):
-    """Check a flash_attn_with_kvcache call; return (scale, window, softcap, max_keys).
-
-    max_keys is the longest key range of any batch row when the lengths are known on the host, else
-    None (the num_splits heuristic then assumes the capacity).
-    """
+def _check_tensors(q, k_cache, v_cache, k, v) -> int:
+    """Types, dimensions, dtypes, devices and shapes of a decoding call's tensors -> seqlen_new."""
     _checks.check_tensor("q", q, 4, _KERNEL_DTYPES)
     _checks.check_tensor("k_cache", k_cache, 4)
     _checks.check_tensor("v_cache", v_cache, 4)
@@ -371,131 +318,286 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     b, sq, h, d = q.shape
     if sq < 1:
         raise ValueError(f"q must hold at least one query per sequence, got shape {tuple(q.shape)}")
-    hk = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise ValueError(f"k_cache must have head dim {d} (as q), got {k_cache.shape[3]}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have shape {tuple(k_cache.shape)} (as k_cache), got {tuple(v_cache.shape)}")
-    if d > _checks.MAX_HEADDIM:
-        raise ValueError(f"head dim must be in 1..{_checks.MAX_HEADDIM}, got {d}")
-    if hk < 1 or h % hk != 0:
-        raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of "
-                         f"key/value heads ({hk})")
-    if block_table is not None:
-        _check_index("block_table", block_table, q.device, 2, b)
-        page_size = k_cache.shape[1]
-        if page_size % 16 != 0:
-            raise ValueError(f"the page size (k_cache.shape[1] with a block_table) must be a multiple "
-                             f"of 16, got {page_size}")
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table: index the pages instead")
-        capacity = block_table.shape[1] * page_size
-    else:
-        capacity = k_cache.shape[1]
-        if cache_batch_idx is None and k_cache.shape[0] < b:
-            raise ValueError(f"k_cache must hold at least {b} sequences (the batch of q), got "
-                             f"{k_cache.shape[0]}; or pass cache_batch_idx")
-    s_new = 0
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and values to append)")
-    if k is not None:
-        _checks.check_tensor("k", k, 4)
-        _checks.check_same("k", k, "q", q)
-        _checks.check_same("v", v, "q", q)
-        s_new = k.shape[1]
-        if tuple(k.shape) != (b, s_new, hk, d):
-            raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = "
-                             f"{(b, s_new, hk, d)}, got {tuple(k.shape)}")
-        if v.shape != k.shape:
-            raise ValueError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
-
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError("cache_seqlens is required to append k and v: it says where they go")
-        lengths = torch.full((b,), capacity)
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        lengths = torch.full((b,), cache_seqlens)
-    else:
-        _check_index("cache_seqlens", cache_seqlens, q.device, 1, b)
-        lengths = cache_seqlens if cache_seqlens.device.type == "cpu" else None
-    if cache_batch_idx is not None:
-        _check_index("cache_batch_idx", cache_batch_idx, q.device, 1, b)
-        if cache_batch_idx.device.type == "cpu":
-            bad = (cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])
-            if bad.any():
-                row = int(bad.int().argmax())
-                raise ValueError(f"cache_batch_idx[{row}] = {int(cache_batch_idx[row])} is not a "
-                                 f"sequence of k_cache (it holds {k_cache.shape[0]})")
-    if cache_leftpad is not None:
-        _check_index("cache_leftpad", cache_leftpad, q.device, 1, b)
-
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
-    if rotary_cos is not None:
-        if k is None:
-            raise ValueError("rotary_cos/rotary_sin rotate the new k (and q): pass k and v as well")
-        _checks.check_tensor("rotary_cos", rotary_cos, 2, (q.dtype, torch.float32))
-        _checks.check_tensor("rotary_sin", rotary_sin, 2, (q.dtype, torch.float32))
-        if rotary_sin.shape != rotary_cos.shape:
-            raise ValueError(f"rotary_sin must have shape {tuple(rotary_cos.shape)} (as rotary_cos), "
-                             f"got {tuple(rotary_sin.shape)}")
-        if not 1 <= 2 * rotary_cos.shape[1] <= d:
-            raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
-                             f"<= headdim = {d}, got {tuple(rotary_cos.shape)}")
-        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            if t.device != q.device:
-                raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
-
-    scale = _checks.default_scale(softmax_scale, d)
-    left, right = _checks.check_window(window_size, causal)
-    softcap = _checks.check_softcap(softcap)
-    _checks.check_alibi(alibi_slopes, b, h, q.device)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = choose from the lengths), got {num_splits!r}")
-
-    max_keys = None
-    if lengths is not None:
-        _check_host_values(lengths, s_new, sq, capacity, cache_leftpad,
-                           block_table, k_cache.shape[0], rotary_cos, left >= 0 or right >= 0)
-        pads = cache_leftpad if cache_leftpad is not None and cache_leftpad.device.type == "cpu" else 0
-        max_keys = int((lengths - pads).max()) + s_new if b else 0
-    if left >= 0:  # one M block of query rows sees at most this many keys
-        max_keys = min(capacity if max_keys is None else max_keys, left + sq + max(right, 0))
-    return scale, (left, right), softcap, max_keys
+    if k is None:
+        return 0
+    _checks.check_tensor("k", k, 4)
+    _checks.check_tensor("v", v, 4)
+    _checks.check_same("k", k, "q", q)
+    _checks.check_same("v", v, "q", q)
+    s_new, hk = k.shape[1], k_cache.shape[2]
+    if tuple(k.shape) != (b, s_new, hk, d):
+        raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = {(b, s_new, hk, d)}, "
+                         f"got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
+    return s_new
 
 
-def _kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                       softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       rotary_interleaved=True, alibi_slopes=None, num_splits=0, max_keys=None):
-    """flash_attn_with_kvcache returning (out, lse); max_keys lets the KVCache helpers hand over
-    their host-side lengths for the num_splits heuristic."""
-    scale, window, softcap, checked_max = _check_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        num_splits)
-    if backend_for(q) == "reference":
-        from flashtile.reference.kvcache import attention_with_kvcache
+def _lengths_to_device(lengths, batch: int, device) -> torch.Tensor:
+    """A list of ints -> the (batch,) int32 tensor on device that the kernels read, copied without
+    waiting for the device; its values are recorded as its host copy, for the checks."""
+    if len(lengths) != batch:
+        raise ValueError(f"cache_seqlens must hold {batch} lengths (batch), got {len(lengths)}")
+    host = torch.tensor(list(lengths)) if batch else torch.zeros(0, dtype=torch.int64)
+    if host.dtype != torch.int64:
+        raise TypeError(f"cache_seqlens must be a list of ints, got {host.dtype} values")
+    if batch and not -2**31 <= int(host.min()) <= int(host.max()) < 2**31:
+        raise ValueError(f"cache_seqlens must fit in int32, got values in [{int(host.min())}, {int(host.max())}]")
+    out = torch.empty(batch, dtype=torch.int32, device=device)
+    _checks.upload(host.to(torch.int32), out)
+    return out
 
-        out, lse = attention_with_kvcache(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, scale, causal, window, softcap, rotary_interleaved,
-            alibi_slopes, compute_dtype=torch.float32)
-        return out.to(q.dtype), lse
-    from flashtile.ops import decode
 
-    if cache_seqlens is None:
-        cache_seqlens = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    with _device_guard(q):
-        if k is not None:
-            decode.append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
-                             rotary_cos, rotary_sin, rotary_interleaved)
-        return decode.decode_attention(
-            q, k_cache, v_cache, cache_seqlens, seqlen_new=0 if k is None else k.shape[1],
-            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-            softmax_scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-            num_splits=num_splits, max_keys=checked_max if max_keys is None else max_keys)
+class DecodePlan:
+    """Flash-Decoding of one batch step, planned once and run for every layer (FlashInfer's plan /
+    run split).
+
+    Everything that depends only on the batch - the checks of shapes, options and index values,
+    the split count (ops.configs.decode_num_splits), the split partials and the packed launch
+    arguments - is done when the plan is made; run() then checks what may differ between layers
+    (the tensors' shapes, dtype and device), appends the new keys and launches. A generate loop
+    makes one plan per step (after its lengths change) and runs it in every layer:
+
+        plan = DecodePlan(batch, nheads, k_cache.shape, lengths, dtype=torch.bfloat16, device="cuda",
+                          seqlen_new=1, block_table=block_table, causal=True)
+        for layer in model.layers:
+            q, k, v = layer.qkv(x)             # (batch, 1, nheads, d), (batch, 1, nheads_k, d) x 2
+            x = layer.out(plan.run(q, k_caches[layer], v_caches[layer], k, v))
+
+    Arguments (the meaning of each is flash_attn_with_kvcache's):
+        batch, nheads: q's batch and head count; seqlen_q (keyword, default 1): q's length.
+        cache_shape: the shape of one layer's k_cache (and v_cache): (batch_cache, seqlen_cache,
+            nheads_k, headdim), or with block_table (num_blocks, page_size, nheads_k, headdim).
+        cache_seqlens: the tokens already in each sequence's cache: a list of ints (copied to the
+            device without waiting for it; the checks read the list), an int, a (batch,) int32
+            tensor on `device` (read on the host once per tensor version: one device sync for a
+            CUDA tensor, none if it was written by flashtile's KVCache), or None (the whole cache).
+        dtype, device: of q and the cache.
+        seqlen_new: new tokens appended per sequence by every run (run's k and v).
+        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, num_splits: as in
+            flash_attn_with_kvcache; tensors on `device`. The plan keeps these tensors and the
+            kernels read their current values at each run, so a plan captured in a CUDA graph can be
+            replayed after updating them in place (within the checked bounds: see below).
+
+    Checks: everything flash_attn_with_kvcache checks, once. Values the plan reads on the host:
+    cache overflow (cache_seqlens + seqlen_new beyond the cache or beyond what block_table
+    addresses), page indices, cache_leftpad, cache_batch_idx, rotary table length, and that no two
+    batch rows append into the same cache row. A call that fails raises and writes nothing.
+
+    Runs must be ordered on one stream (a model's layers are): they share the plan's split
+    partials. float32 dots follow torch.backends.cuda.matmul.allow_tf32 as it was at planning. run() reads nothing on the host, so it can be captured in a CUDA graph; keep the plan
+    alive as long as the graph. Index values changed after planning (in place, or under capture,
+    where nothing is checked) are not checked: the kernels then clamp every index into the tensors
+    it addresses - new rows at positions outside the cache, on a page index outside k_cache, or for
+    a cache_batch_idx outside k_cache are not written; a row reads only cache positions in [0,
+    capacity), skipping pages outside k_cache; rotary positions outside the tables are not rotated.
+    The outputs of such rows mean nothing, but nothing outside the given tensors is read or written.
+    """
+
+    def __init__(self, batch, nheads, cache_shape, cache_seqlens=None, *, dtype, device, seqlen_q=1,
+                 seqlen_new=0, cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                 causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, rotary_cos=None,
+                 rotary_sin=None, rotary_interleaved=True, num_splits=0):
+        batch = _checks.check_int("batch", batch)
+        nheads = _checks.check_int("nheads", nheads, 1)
+        seqlen_q = _checks.check_int("seqlen_q", seqlen_q, 1)
+        seqlen_new = _checks.check_int("seqlen_new", seqlen_new)
+        if not isinstance(cache_shape, (tuple, list)) or len(cache_shape) != 4:
+            raise ValueError(f"cache_shape must be k_cache's shape (4 ints), got {cache_shape!r}")
+        cache_shape = torch.Size(_checks.check_int(f"cache_shape[{i}]", n) for i, n in enumerate(cache_shape))
+        if dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the tensors' device names its index
+            device = torch.device("cuda", torch.cuda.current_device())
+        if isinstance(cache_seqlens, (list, tuple)):
+            cache_seqlens = _lengths_to_device(cache_seqlens, batch, device)
+        self._plan(batch, seqlen_q, nheads, cache_shape, dtype, device, seqlen_new, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   rotary_cos, rotary_sin, rotary_interleaved, num_splits, own_partials=True)
+
+    @classmethod
+    def _for_call(cls, q, k_cache, seqlen_new, *args) -> "DecodePlan":
+        """The plan of one flash_attn_with_kvcache call (its tensors checked by _check_tensors);
+        the call allocates its own split partials, so calls may run on any stream."""
+        plan = cls.__new__(cls)
+        b, sq, h, _ = q.shape
+        plan._plan(b, sq, h, k_cache.shape, q.dtype, q.device, seqlen_new, *args, own_partials=False)
+        return plan
+
+    def _plan(self, b, sq, h, cache_shape, dtype, device, s_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+              block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, rotary_sin,
+              rotary_interleaved, num_splits, own_partials):
+        """Every check of the batch and the launch plan: the one path of DecodePlan and
+        flash_attn_with_kvcache."""
+        cache_rows, rows_per_block, hk, d = cache_shape
+        if not 1 <= d <= _checks.MAX_HEADDIM:
+            raise ValueError(f"head dim must be in 1..{_checks.MAX_HEADDIM}, got {d}")
+        if hk < 1 or h % hk != 0:
+            raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of "
+                             f"key/value heads ({hk})")
+        if block_table is not None:
+            _checks.check_index_tensor("block_table", block_table, device, (b, None))
+            if block_table.shape[1] < 1:
+                raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with max_blocks_per_seq "
+                                 f">= 1, got {tuple(block_table.shape)}")
+            if rows_per_block % 16 != 0:
+                raise ValueError(f"the page size (k_cache.shape[1] with a block_table) must be a multiple of 16, "
+                                 f"got {rows_per_block}")
+            if cache_batch_idx is not None:
+                raise ValueError("cache_batch_idx cannot be combined with block_table: index the pages instead")
+            page_size, capacity = rows_per_block, block_table.shape[1] * rows_per_block
+        else:
+            page_size, capacity = 0, rows_per_block
+            if cache_batch_idx is None and cache_rows < b:
+                raise ValueError(f"k_cache must hold at least {b} sequences (the batch of q), got {cache_rows}; "
+                                 f"or pass cache_batch_idx")
+
+        if cache_seqlens is None:
+            if s_new:
+                raise ValueError("cache_seqlens is required to append k and v: it says where they go")
+            cache_seqlens = capacity
+        if isinstance(cache_seqlens, torch.Tensor):
+            _checks.check_index_tensor("cache_seqlens", cache_seqlens, device, (b,))
+            lengths = _checks.host_copy(cache_seqlens)
+        else:
+            n = _checks.check_int("cache_seqlens", cache_seqlens)
+            cache_seqlens, lengths = n, torch.full((b,), n, dtype=torch.int64)
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if t is not None:
+                _checks.check_index_tensor(name, t, device, (b,))
+
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        if rotary_cos is not None:
+            if not s_new:
+                raise ValueError("rotary_cos/rotary_sin rotate the new k (and q): pass k and v as well")
+            _checks.check_tensor("rotary_cos", rotary_cos, 2, (dtype, torch.float32))
+            _checks.check_tensor("rotary_sin", rotary_sin, 2, (dtype, torch.float32))
+            if rotary_sin.shape != rotary_cos.shape:
+                raise ValueError(f"rotary_sin must have shape {tuple(rotary_cos.shape)} (as rotary_cos), "
+                                 f"got {tuple(rotary_sin.shape)}")
+            if not 1 <= 2 * rotary_cos.shape[1] <= d:
+                raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                                 f"<= headdim = {d}, got {tuple(rotary_cos.shape)}")
+            for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+                if t.device != device:
+                    raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+
+        scale = _checks.default_scale(softmax_scale, d)
+        left, right = _checks.check_window(window_size, causal)
+        softcap = _checks.check_softcap(softcap)
+        _checks.check_alibi(alibi_slopes, b, h, device)
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+            raise ValueError(f"num_splits must be an int >= 0 (0 = choose from the lengths), got {num_splits!r}")
+
+        # the values, when every one can be read on the host now (not under CUDA-graph capture)
+        host = [None if t is None else _checks.host_copy(t) for t in (cache_leftpad, cache_batch_idx, block_table)]
+        self._checked = lengths is not None and all(h is not None for h, t in zip(
+            host, (cache_leftpad, cache_batch_idx, block_table)) if t is not None)
+        max_keys = None
+        if self._checked:
+            local = left >= 0 or right >= 0
+            max_keys = _checks.check_cache_values(
+                lengths, s_new, capacity, cache_rows, leftpad=host[0], batch_idx=host[1], table=host[2],
+                page_size=page_size, rotary_len=None if rotary_cos is None else rotary_cos.shape[0],
+                rotary_reach=max(s_new, sq if local else 1))
+        if left >= 0:  # one M block of query rows sees at most this many keys
+            max_keys = min(capacity if max_keys is None else max_keys, left + sq + max(right, 0))
+
+        self.batch, self.nheads, self.seqlen_q, self.seqlen_new = b, h, sq, s_new
+        self.cache_shape, self.dtype, self.device = cache_shape, dtype, device
+        self._q_shape = torch.Size((b, sq, h, d))
+        self._k_shape = torch.Size((b, s_new, hk, d)) if s_new else None
+        # what the kernels (or the reference) read, besides the tensors of a run
+        self._args = dict(cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                          block_table=block_table, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,
+                          rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+        self._options = dict(softmax_scale=scale, window=(left, right), softcap=softcap, num_splits=num_splits,
+                             max_keys=max_keys)
+        self._causal = causal
+        self._geometry = dict(page_size=page_size, capacity=capacity, cache_rows=cache_rows,
+                              own_partials=own_partials)
+        # the kernels' plan; kept off the reference path, which must not import triton
+        self._launch = self._kernel_plan() if device.type == "cuda" or interpreter_on() else None
+
+    def _kernel_plan(self):
+        from flashtile.ops import decode
+
+        b, sq, h, d = self._q_shape
+        return decode.plan(b, sq, h, self.cache_shape[2], d, self.dtype, self.device, seqlen_new=self.seqlen_new,
+                           **self._geometry, **self._args, **self._options)
+
+    @property
+    def num_splits(self) -> int:
+        """Pieces each sequence's keys are cut into (the heuristic's choice when num_splits = 0)."""
+        if self._launch is None:
+            self._launch = self._kernel_plan()
+        return self._launch.num_splits
+
+    def run(self, q, k_cache, v_cache, k=None, v=None, return_softmax_lse=False):
+        """Append k, v and attend q over one layer's cache, as planned.
+
+        Arguments:
+            q: (batch, seqlen_q, nheads, headdim), the plan's dtype and device.
+            k_cache, v_cache: shaped cache_shape, same dtype and device; any strides.
+            k, v: (batch, seqlen_new, nheads_k, headdim) when the plan has seqlen_new > 0, else None.
+            return_softmax_lse: also return the log-sum-exp.
+        Returns:
+            out (batch, seqlen_q, nheads, headdim) in q's dtype, and with return_softmax_lse
+            softmax_lse (batch, nheads, seqlen_q) float32 (as flash_attn_with_kvcache).
+        """
+        dtype, device, cache_shape, k_shape = self.dtype, self.device, self.cache_shape, self._k_shape
+        if not (isinstance(q, torch.Tensor) and q.shape == self._q_shape and q.dtype == dtype and q.device == device
+                and isinstance(k_cache, torch.Tensor) and k_cache.shape == cache_shape and k_cache.dtype == dtype
+                and k_cache.device == device and isinstance(v_cache, torch.Tensor) and v_cache.shape == cache_shape
+                and v_cache.dtype == dtype and v_cache.device == device
+                and (k is None and v is None if k_shape is None else
+                     isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape == k_shape
+                     and v.shape == k_shape and k.dtype == dtype and v.dtype == dtype and k.device == device
+                     and v.device == device)):
+            self._mismatch(q, k_cache, v_cache, k, v)
+        out, lse = self._run(q, k_cache, v_cache, k, v)
+        return (out, lse) if return_softmax_lse else out
+
+    def _mismatch(self, q, k_cache, v_cache, k, v):
+        """Raise the error of a run whose tensors differ from the plan: theirs if they disagree among
+        themselves (_check_tensors), else the first that differs from the plan."""
+        s_new = _check_tensors(q, k_cache, v_cache, k, v)
+        for name, got, want in (("q's shape", tuple(q.shape), tuple(self._q_shape)), ("q's dtype", q.dtype, self.dtype),
+                                ("q's device", q.device, self.device),
+                                ("k_cache's shape", tuple(k_cache.shape), tuple(self.cache_shape)),
+                                ("seqlen_new (k.shape[1])", s_new, self.seqlen_new)):
+            if got != want:
+                raise ValueError(f"{name} is {got}, but the plan was made for {want}")
+        raise ValueError("the tensors do not match the plan")  # run's test and this one disagree: a bug
+
+    def _run(self, q, k_cache, v_cache, k, v):
+        """(out, lse) of checked tensors."""
+        if backend_for(q) == "reference":
+            from flashtile.reference.kvcache import attention_with_kvcache
+
+            args, options = self._args, self._options
+            out, lse = attention_with_kvcache(
+                q, k_cache, v_cache, k, v, softmax_scale=options["softmax_scale"], causal=self._causal,
+                window_size=options["window"], softcap=options["softcap"], compute_dtype=torch.float32, **args)
+            return out.to(q.dtype), lse
+        from flashtile.ops import decode
+
+        launch = self._launch
+        if launch is None:  # planned for the reference path, run on the interpreter
+            launch = self._launch = self._kernel_plan()
+        with _device_guard(q):
+            if k is not None:
+                decode.append_kv(launch, k, v, k_cache, v_cache)
+            return decode.decode_attention(launch, q, k_cache, v_cache)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -506,8 +608,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """Attention of q over a KV cache, appending new keys first: flash-attn 2.x's function.
 
     Flash-Decoding: the keys of each sequence are cut into splits that run in parallel, then merged
-    by their log-sum-exp, so even one sequence fills the GPU (flashtile.kvcache.KVCache and
-    PagedKVCache manage the cache for a generate loop).
+    by their log-sum-exp, so even one sequence fills the GPU. A serving loop that runs many layers
+    over one batch plans once per step with DecodePlan instead (flashtile.kvcache.KVCache and
+    PagedKVCache do that for a generate loop).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32. seqlen_q = 1 when
@@ -546,18 +649,64 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         softmax_lse (only with return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log,
             -inf for a row that sees no key.
 
-    Checks: shapes, dtypes and devices always. Index values (cache overflow, page-table bounds,
-    leftpad, cache_batch_idx and rotary table length) are checked when they are on the host - an int
-    cache_seqlens or CPU tensors; reading them from a GPU would stall every decoding step on a
-    device sync (and break CUDA graphs). With GPU index tensors the kernels still never read or
-    write outside the given tensors: rows past the capacity or on a page index outside k_cache are
-    dropped, not attended. The KVCache helpers check their lengths on the host.
+    Checks: shapes, dtypes and devices always; and the index values - cache overflow (an append or
+    cache_seqlens beyond the cache, or beyond what block_table addresses), page indices,
+    cache_leftpad, cache_batch_idx, the rotary table's length, no two rows appending into one cache
+    row - read on the host: a CUDA index tensor is copied to the host once per tensor and version
+    (the layers of a decoding step that pass the same tensors share one copy; KVCache's tensors need
+    none). A call that fails a check raises ValueError naming the argument and writes nothing.
+    Under CUDA-graph capture (or torch.compile) nothing is read on the host, so the values are not
+    checked; the kernels then clamp every index into the given tensors, as DecodePlan describes: a
+    row with out-of-range indices gets a meaningless output and its out-of-range new keys are not
+    written, but nothing outside the tensors is ever read or written.
     """
-    out, lse = _kvcache_attention(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-        alibi_slopes, num_splits)
-    return (out, lse) if return_softmax_lse else out
+    plan = _plan_of_call(q, k_cache, v_cache, k, v, (
+        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, num_splits))
+    return plan.run(q, k_cache, v_cache, k, v, return_softmax_lse)
+
+
+# The plans of recent flash_attn_with_kvcache calls. The layers of a decoding step pass the same
+# index tensors (same objects, unchanged), so they share one plan: made and checked by the first
+# layer, looked up by the others, whose tensors DecodePlan.run then checks against it. A tensor
+# argument is keyed by identity and version counter: a plan holds the tensors of its key, so no
+# other tensor can take their ids while it is here, and writing one in place moves its version,
+# so the next call plans (and checks) again. Bounded: each entry keeps its tensors alive.
+_recent_plans: dict = {}
+RECENT_PLANS = 8
+
+
+def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
+    """The plan of a flash_attn_with_kvcache call; args are its arguments from cache_seqlens to
+    num_splits, in DecodePlan._for_call's order."""
+    key = None
+    if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(k, (torch.Tensor, type(None))) \
+            and not torch.compiler.is_compiling():
+        # fp32 dots follow allow_tf32 as it is when the plan is made
+        key = [q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape,
+               torch.backends.cuda.matmul.allow_tf32]
+        for x in args:
+            if isinstance(x, torch.Tensor):
+                if x.is_inference():  # no version counter: every call plans again
+                    key = None
+                    break
+                key.append((id(x), x._version))
+            else:
+                key.append(x)
+    plan = None
+    if key is not None:
+        try:
+            key = tuple(key)
+            plan = _recent_plans.get(key)
+        except TypeError:  # an unhashable option (window_size as a list): plan this call alone
+            key = None
+    if plan is None:
+        plan = DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
+        if key is not None and plan._checked:  # a plan made under capture has not seen the values
+            if len(_recent_plans) >= RECENT_PLANS:
+                del _recent_plans[next(iter(_recent_plans))]
+            _recent_plans[key] = plan
+    return plan
 
 
 def merge_attention_states(out_partial, lse_partial):

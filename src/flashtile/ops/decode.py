@@ -13,30 +13,39 @@ Positions: a batch row b attends logical keys j in [0, seqlen_k) with
 seqlen_k = cache_seqlens[b] - leftpad[b] + seqlen_new (flash-attn 2.x); key j lives in cache row
 leftpad[b] + j ("physical" position), in page block_table[b, pos // page_size] when paged. The KV
 loop walks physical positions so tiles never straddle a page boundary when page_size % BLOCK_N == 0.
+
+Host side: plan() packs everything that is the same for every layer of a decoding step (tiles,
+split count, the index tensors and their strides, the partial buffers) into prepared launches once
+(api.DecodePlan holds it); append_kv and decode_attention add one layer's q, k/v and cache.
+Index values are checked by the API on the host; the kernels clamp them regardless (see
+_split_kernel), so values the API cannot read (CUDA-graph capture) never reach outside a tensor.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._launch import cdiv, launch, next_pow2
+from flashtile.ops._launch import Prepared, cdiv, next_pow2
 from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, kernel_scale, scores_log2,
                                    visible)
 
 
 @triton.jit
 def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc,
-               pos, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+               pos, rotary_len, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Rows (R, BLOCK_D) as fp32, rotary embedding at positions pos (R,) on the first ROTARY_DIM dims.
 
     rows: (R, 1) pointers to each row's first element. Interleaved (GPT-J) rotates pairs
     (2i, 2i+1) by angle i; otherwise (GPT-NeoX) pairs (i, i + ROTARY_DIM/2). Each output element
-    needs its partner element, loaded as a second gather of the same rows.
+    needs its partner element, loaded as a second gather of the same rows. A position outside the
+    tables' rotary_len rows (possible only under CUDA-graph capture, where the API cannot check
+    the lengths) is left unrotated rather than read out of bounds.
     """
     x = tl.load(rows + offs_d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
     if ROTARY_DIM > 0:
@@ -49,7 +58,7 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
             first = offs_d < HALF
             partner = tl.where(first, offs_d + HALF, offs_d - HALF)
             angle = tl.where(first, offs_d, offs_d - HALF)
-        rot = mask & (offs_d[None, :] < ROTARY_DIM)
+        rot = mask & (offs_d[None, :] < ROTARY_DIM) & ((pos >= 0) & (pos < rotary_len))[:, None]
         xp = tl.load(rows + partner[None, :] * stride_d, mask=rot, other=0.0).to(tl.float32)
         # outside the rotary dims cos = 1, sin = 0 and xp = 0, so x passes through unchanged
         cos = tl.load(Cos + pos[:, None] * stride_cr + angle[None, :] * stride_cc, mask=rot, other=1.0)
@@ -65,37 +74,40 @@ def _append_kernel(
     stride_wb, stride_wt, stride_wh, stride_wd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_tb, stride_cr, stride_cc, stride_sr, stride_sc,
-    seqlen_const, seqlen_new, capacity, num_pages,
+    stride_sl, stride_bi, stride_tb, stride_tp, stride_cr, stride_cc, stride_sr, stride_sc,
+    seqlen_const, seqlen_new, capacity, cache_rows, rotary_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
 ):
     """k_new[b, t] -> cache row cache_seqlens[b] + t (rotary at that position), v_new likewise.
 
-    Grid (cdiv(seqlen_new, BLOCK_T), nheads_k, batch). Rows past the capacity or on a page index
-    outside k_cache are dropped: the API rejects such calls when it can see the values, and the
-    kernel never writes outside the cache either way.
+    Grid (cdiv(seqlen_new, BLOCK_T), nheads_k, batch). cache_rows = k_cache.shape[0] (pages, or
+    sequences of a contiguous cache). The API rejects an append that does not fit whenever it can
+    read the index values; under CUDA-graph capture it cannot, and then a row at a position outside
+    [0, capacity), on a page index outside k_cache, or of a cache_batch_idx outside k_cache is not
+    written: nothing outside the cache is ever written.
     """
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     kh = tl.program_id(1)
     b = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
     if HAS_SEQLENS:
-        n_cache = tl.load(Seqlens + b)
+        n_cache = tl.load(Seqlens + b * stride_sl)
     else:
         n_cache = seqlen_const
     pos = n_cache + offs_t  # physical cache positions
-    ok = (offs_t < seqlen_new) & (pos < capacity)
+    ok = (offs_t < seqlen_new) & (pos >= 0) & (pos < capacity)
     if PAGE_SIZE > 0:
-        page = tl.load(BlockTable + b.to(tl.int64) * stride_tb + pos // PAGE_SIZE, mask=ok, other=0)
-        ok = ok & (page >= 0) & (page < num_pages)
+        page = tl.load(BlockTable + b.to(tl.int64) * stride_tb + (pos // PAGE_SIZE) * stride_tp, mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < cache_rows)
         k_rows = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
         v_rows = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
     else:
         cb = b
         if HAS_BATCH_IDX:
-            cb = tl.load(BatchIdx + b)
+            cb = tl.load(BatchIdx + b * stride_bi)
+            ok = ok & (cb >= 0) & (cb < cache_rows)
         k_rows = cb.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
         v_rows = cb.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
     mask = ok[:, None]
@@ -103,7 +115,7 @@ def _append_kernel(
         mask = mask & (offs_d[None, :] < HEAD_DIM)
     src = Knew + b.to(tl.int64) * stride_nb + kh * stride_nh + offs_t[:, None] * stride_nt
     k = _load_rope(src, offs_d, stride_nd, mask, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc,
-                   pos, ROTARY_DIM, ROTARY_INTERLEAVED)
+                   pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
     v = tl.load(Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh + offs_t[:, None] * stride_wt
                 + offs_d[None, :] * stride_wd, mask=mask)
     tl.store(KCache + kh * stride_kh + k_rows[:, None] + offs_d[None, :] * stride_kd,
@@ -119,8 +131,9 @@ def _split_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_os, stride_ob, stride_om, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    stride_tb, stride_slope_b, stride_slope_h, stride_cr, stride_cc, stride_sr, stride_sc,
-    seqlen_const, seqlen_q, seqlen_new, capacity, num_pages, m_blocks, num_splits,
+    stride_sl, stride_bi, stride_lp, stride_tb, stride_tp, stride_slope_b, stride_slope_h,
+    stride_cr, stride_cc, stride_sr, stride_sc,
+    seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
     left, right, qk_scale, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -135,6 +148,13 @@ def _split_kernel(
     kv_head * GROUP + r % GROUP. Out/Lse are the partials (num_splits, b, sq, h, d) fp32 and
     (num_splits, b, h, sq), or with one split the final (b, sq, h, d) and (b, h, sq) (stride_os =
     stride_ls = 0): both get the normalised output and the natural-log LSE, -inf for empty rows.
+
+    The API checks the index values whenever it can read them; under CUDA-graph capture it cannot,
+    so every index is clamped into the tensors it addresses: cache_seqlens to [0, capacity],
+    cache_leftpad to [0, cache_seqlens], key positions to [0, capacity); a page index outside
+    k_cache (cache_rows pages) masks its keys, and a cache_batch_idx outside k_cache (cache_rows
+    sequences) leaves its row with no keys. Such rows get an output that means nothing, but nothing
+    outside the cache, the page table or the rotary tables is read.
     """
     split = tl.program_id(0)
     kh = tl.program_id(1) // m_blocks
@@ -142,12 +162,16 @@ def _split_kernel(
     b = tl.program_id(2)
 
     if HAS_SEQLENS:
-        n_cache = tl.load(Seqlens + b)
+        n_cache = tl.minimum(tl.maximum(tl.load(Seqlens + b * stride_sl), 0), capacity)
     else:
-        n_cache = seqlen_const
+        n_cache = seqlen_const  # a host int: always checked
     pad = 0
     if HAS_LEFTPAD:
-        pad = tl.load(LeftPad + b)
+        pad = tl.minimum(tl.maximum(tl.load(LeftPad + b * stride_lp), 0), n_cache)
+    cb = b
+    if HAS_BATCH_IDX:  # contiguous caches only (the API rejects it with a block_table)
+        cb = tl.load(BatchIdx + b * stride_bi)
+        cb_ok = (cb >= 0) & (cb < cache_rows)  # if not, the row gets no keys (below): nothing is read
     seqlen_k = n_cache - pad + seqlen_new
     diag_offset = seqlen_k - seqlen_q
 
@@ -169,7 +193,7 @@ def _split_kernel(
         else:
             q_pos = n_cache + i * 0
         q = _load_rope(q_rows, offs_d, stride_qd, row_mask, Cos, Sin, stride_cr, stride_cc,
-                       stride_sr, stride_sc, q_pos, ROTARY_DIM, ROTARY_INTERLEAVED)
+                       stride_sr, stride_sc, q_pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
         q = q.to(Q.dtype.element_ty)
     else:
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
@@ -186,8 +210,10 @@ def _split_kernel(
     if HAS_RIGHT:
         last_i = tl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
         hi = tl.minimum(hi, tl.maximum(last_i + diag_offset + right + 1, 0))
-    lo = lo + pad
-    hi = tl.maximum(tl.minimum(hi + pad, capacity), lo)
+    hi = tl.minimum(hi + pad, capacity)
+    if HAS_BATCH_IDX:
+        hi = tl.where(cb_ok, hi, 0)  # a sequence outside k_cache: no keys
+    lo = tl.minimum(lo + pad, hi)  # 0 <= lo <= hi <= capacity: every tile starts inside the cache
     first_blk = lo // BLOCK_N
     n_blk = tl.cdiv(hi, BLOCK_N) - first_blk
     per_split = tl.cdiv(n_blk, num_splits)
@@ -197,9 +223,6 @@ def _split_kernel(
     if PAGE_SIZE > 0:
         table = BlockTable + b.to(tl.int64) * stride_tb
     else:
-        cb = b
-        if HAS_BATCH_IDX:
-            cb = tl.load(BatchIdx + b)
         K = K + cb.to(tl.int64) * stride_kb
         V = V + cb.to(tl.int64) * stride_vb
     K = K + kh * stride_kh
@@ -213,10 +236,10 @@ def _split_kernel(
         key_ok = (pos >= lo) & (pos < hi)
         if PAGE_SIZE > 0:
             if PAGE_SIZE % BLOCK_N == 0:
-                page = tl.load(table + start_n // PAGE_SIZE)  # the tile lies inside one page
+                page = tl.load(table + (start_n // PAGE_SIZE) * stride_tp)  # the tile lies inside one page
             else:
-                page = tl.load(table + pos // PAGE_SIZE, mask=key_ok, other=0)
-            key_ok = key_ok & (page >= 0) & (page < num_pages)
+                page = tl.load(table + (pos // PAGE_SIZE) * stride_tp, mask=key_ok, other=0)
+            key_ok = key_ok & (page >= 0) & (page < cache_rows)
             k_rows = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
             v_rows = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
         else:
@@ -310,7 +333,8 @@ def _combine_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launchers
+# Launchers: a plan packs every argument that does not change between layers once; the per-call
+# launchers add the layer's tensors
 # --------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -320,26 +344,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _optional(t, n):
-    """t's first n strides, or zeros when t is None (the kernel then never reads them)."""
-    return tuple(t.stride()[:n]) if t is not None else (0,) * n
-
-
-def combine(out_partial, lse_partial, out, lse, rows, strides) -> None:
-    """Merge partials into out/lse in place.
-
-    Partials out_partial (S, n0, n1, n2, d) and lse_partial (S, n0, n1, n2), outputs out (n0, n1,
-    n2, d) and lse (n0, n1, n2), rows = (n0, n1, n2); strides = the four tensors' strides in those
-    dim orders (given apart from the tensors, so that a permuted layout needs no view).
-    """
+def prepare_combine(num_splits: int, d: int, rows: tuple, strides: tuple) -> Prepared:
+    """The merge of partials (S, n0, n1, n2, d) / (S, n0, n1, n2) into out (n0, n1, n2, d) / lse
+    (n0, n1, n2), rows = (n0, n1, n2); strides = the four tensors' strides in those dim orders
+    (given apart from the tensors, so that a permuted layout needs no view). The call passes the
+    tensors (out_partial, lse_partial, out, lse) and no scalars."""
     n0, n1, n2 = rows
-    num_splits, d = out_partial.shape[0], out_partial.shape[-1]
-    if n0 * n1 * n2 == 0:
-        return
     cfg = configs.combine_config(num_splits, d)
-    launch(_combine_kernel, (n0 * n1 * n2, cdiv(d, cfg.block_d)), (out_partial, lse_partial, out, lse),
-           (num_splits, n1, n2, *strides), cfg.num_warps, 3,
-           HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d)
+    return Prepared(_combine_kernel, (n0 * n1 * n2, cdiv(d, cfg.block_d)), (), (num_splits, n1, n2, *strides),
+                    cfg.num_warps, 3, HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d)
 
 
 def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor):
@@ -350,12 +363,27 @@ def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor):
     out = torch.empty(lead + (d,), dtype=out_partial.dtype, device=out_partial.device)
     lse = torch.empty(lead, dtype=torch.float32, device=out_partial.device)
     n = out.numel() // max(d, 1)
+    if n == 0:
+        return out, lse
     # flatten * into one row axis; reshape copies only when * cannot be viewed as one axis
     o_part, l_part = out_partial.reshape(num_splits, n, d), lse_partial.reshape(num_splits, n)
     (ps, pn, pd), (qs, qn) = o_part.stride(), l_part.stride()
-    combine(o_part, l_part, out, lse, (n, 1, 1),
-            (ps, pn, 0, 0, pd, qs, qn, 0, 0, d, 0, 0, 1, 1, 0, 0))
+    merge = prepare_combine(num_splits, d, (n, 1, 1), (ps, pn, 0, 0, pd, qs, qn, 0, 0, d, 0, 0, 1, 1, 0, 0))
+    merge((o_part, l_part, out, lse), ())
     return out, lse
+
+
+class DecodeLaunch(NamedTuple):
+    """A planned decoding call (plan): its launches less the per-layer tensors, and the buffers."""
+
+    out_shape: tuple  # (b, sq, h, d), q's dtype
+    lse_shape: tuple  # (b, h, sq), fp32
+    num_splits: int
+    append: Optional[Prepared]  # called with (k, v, k_cache, v_cache) and their strides; None: no new keys
+    split: Optional[Prepared]  # called with (q, k_cache, v_cache, out, lse) and the first three's strides
+    combine: Optional[Prepared]  # None with one split: the split kernel writes out and lse
+    partials: Optional[tuple]  # the plan's own (out_partial, lse_partial), or None: one per call
+    partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
 
 
 def _seqlens_args(cache_seqlens):
@@ -365,99 +393,116 @@ def _seqlens_args(cache_seqlens):
     return None, int(cache_seqlens)
 
 
-def _rotary_args(rotary_cos, rotary_sin):
-    if rotary_cos is None:
-        return 0, (0, 0, 0, 0)
-    return 2 * rotary_cos.shape[1], (*rotary_cos.stride(), *rotary_sin.stride())
+def _stride0(t) -> int:
+    return 0 if t is None else t.stride(0)
 
 
-def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
-              rotary_sin, rotary_interleaved) -> None:
-    """Write k/v (b, s_new, hk, d) into the cache at cache_seqlens[b] (in place; k rotated)."""
-    b, s_new, hk, d = k.shape
-    if b * s_new == 0:
-        return
-    paged = block_table is not None
-    page_size = k_cache.shape[1] if paged else 0
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    seqlens, seqlen_const = _seqlens_args(cache_seqlens)
-    rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
-    block_t = min(16, next_pow2(s_new))
-    block_d = configs.padded_headdim(d)
-    launch(_append_kernel, (cdiv(s_new, block_t), hk, b),
-           (k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin),
-           (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *_optional(block_table, 1),
-            *rotary_strides, seqlen_const, s_new, capacity, k_cache.shape[0]), 4, 3,
-           HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t, PAGE_SIZE=page_size, ROTARY_DIM=rotary_dim,
-           ROTARY_INTERLEAVED=bool(rotary_interleaved), EVEN_D=d == block_d,
-           HAS_SEQLENS=seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None)
+def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seqlen_new, cache_seqlens,
+         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
+         softmax_scale, window, softcap, num_splits, max_keys, own_partials) -> DecodeLaunch:
+    """The launches of a checked decoding call: new k/v appended, then split-KV attention of q over
+    the cache, then the merge of the splits.
 
-
-def decode_attention(q, k_cache, v_cache, cache_seqlens, *, seqlen_new=0, cache_batch_idx=None,
-                     cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
-                     rotary_interleaved=True, softmax_scale, window=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, num_splits=0, max_keys=None):
-    """Split-KV attention of q over the cache (new keys already appended). Checked inputs.
-
-    q (b, sq, h, d); k_cache/v_cache (b_cache, s_cache, hk, d), or pages (num_pages, page_size, hk,
-    d) with block_table (b, max_blocks) int32; cache_seqlens int or (b,) int32 (lengths before the
-    seqlen_new appended keys); cache_batch_idx / cache_leftpad (b,) int32; rotary_cos/sin
-    (seqlen_ro, rotary_dim / 2) rotate q (k was rotated by append_kv); window = (left, right), -1
-    unbounded. num_splits = 0 asks configs.decode_num_splits, given max_keys (the longest key range
-    known on the host, else the capacity). Returns out (b, sq, h, d) in q's dtype and lse (b, h, sq)
-    fp32.
+    q (b, sq, h, d); k_cache/v_cache (cache_rows, capacity, hk, d), or pages (cache_rows, page_size,
+    hk, d) with block_table (b, max_blocks) int32 (capacity = max_blocks * page_size);
+    cache_seqlens int or (b,) int32 (lengths before the seqlen_new appended keys);
+    cache_batch_idx / cache_leftpad (b,) int32; rotary_cos/sin (seqlen_ro, rotary_dim / 2) rotate
+    k and q; window = (left, right), -1 unbounded. Index tensors are read through their strides.
+    num_splits = 0 asks configs.decode_num_splits, given max_keys (the longest key range known on
+    the host, else None: the capacity). own_partials: allocate the split partials now, shared by
+    every call of the plan (the calls must then run in order on one stream, as a model's layers
+    do); otherwise each call allocates its own.
     """
-    b, sq, h, d = q.shape
-    hk = k_cache.shape[2]
     group = h // hk
-    paged = block_table is not None
-    page_size = k_cache.shape[1] if paged else 0
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     left, right = window
     if sq == 1:
         right = -1  # one query row sits at the last key: nothing is to its right
-    cfg = configs.decode_config(sq * group, d, q.dtype, page_size, q.device)
+    cfg = configs.decode_config(sq * group, d, dtype, page_size, device)
     m_blocks = cdiv(sq * group, cfg.block_m)
     if num_splits == 0:
         num_splits = configs.decode_num_splits(b * hk * m_blocks, capacity if max_keys is None else max_keys,
-                                               cfg.block_n, _num_sms(q.device))
-
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
-        o_buf, l_buf = out, lse
-        o_strides, l_strides = (0, *out.stride()), (0, *lse.stride())
-    else:
-        o_buf = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
-        l_buf = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
-        o_strides, l_strides = o_buf.stride(), l_buf.stride()
-    if b == 0:
-        return out, lse
-
+                                               cfg.block_n, _num_sms(device))
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
-    rotary_dim, rotary_strides = _rotary_args(rotary_cos, rotary_sin)
-    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
+    if rotary_cos is None:
+        rotary_dim, rotary_len, rotary_strides = 0, 0, (0, 0, 0, 0)
+    else:
+        rotary_dim, rotary_len = 2 * rotary_cos.shape[1], rotary_cos.shape[0]
+        rotary_strides = (*rotary_cos.stride(), *rotary_sin.stride())
+    table_strides = (0, 0) if block_table is None else tuple(block_table.stride())
     block_d = configs.padded_headdim(d)
-    launch(_split_kernel, (num_splits, hk * m_blocks, b),
-           (q, k_cache, v_cache, o_buf, l_buf, seqlens, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes, rotary_cos, rotary_sin),
-           (*q.stride(), *k_cache.stride(), *v_cache.stride(), *o_strides, *l_strides,
-            *_optional(block_table, 1), *alibi_strides(alibi_slopes), *rotary_strides,
-            seqlen_const, sq, seqlen_new, capacity, k_cache.shape[0], m_blocks, num_splits,
-            max(left, 0), max(right, 0), qk_scale, softcap),
-           cfg.num_warps, cfg.num_stages,
-           GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-           PAGE_SIZE=page_size, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-           ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
-           ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(q.dtype),
-           EVEN_D=d == block_d, HAS_SEQLENS=seqlens is not None,
-           HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-           HAS_ALIBI=alibi_slopes is not None)
-    if num_splits > 1:
+    flags = dict(HEAD_DIM=d, BLOCK_D=block_d, PAGE_SIZE=page_size, ROTARY_DIM=rotary_dim,
+                 ROTARY_INTERLEAVED=bool(rotary_interleaved), EVEN_D=d == block_d,
+                 HAS_SEQLENS=seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None)
+
+    append = None
+    if b * seqlen_new > 0:
+        block_t = min(16, next_pow2(seqlen_new))
+        append = Prepared(
+            _append_kernel, (cdiv(seqlen_new, block_t), hk, b),
+            (seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin),
+            (_stride0(seqlens), _stride0(cache_batch_idx), *table_strides, *rotary_strides,
+             seqlen_const, seqlen_new, capacity, cache_rows, rotary_len), 4, 3, BLOCK_T=block_t, **flags)
+
+    # out (b, sq, h, d) and lse (b, h, sq) are allocated contiguous by each call; the partials
+    # (S, b, sq, h, d) and (S, b, h, sq) share one fp32 buffer, the lse part 16-byte aligned
+    out_strides, lse_strides = (sq * h * d, h * d, d, 1), (h * sq, sq, 1)
+    o_numel = num_splits * b * sq * h * d
+    lse_offset = cdiv(o_numel, 4) * 4
+    sizes = (lse_offset + num_splits * b * h * sq, lse_offset)
+    partials = combine = None
+    if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
+        o_strides, l_strides = (0, *out_strides), (0, *lse_strides)
+    else:
+        o_strides = (b * sq * h * d, *out_strides)
+        l_strides = (b * h * sq, *lse_strides)
+        if own_partials:
+            buf = torch.empty(sizes[0], dtype=torch.float32, device=device)
+            partials = (buf, buf[lse_offset:])
         # rows (b, sq, h); the lse partials are (S, b, h, sq) and lse is (b, h, sq): their row
         # strides are given in (b, sq, h) order
         (ps, pb, pm, ph, pd), (qs, qb, qh, qm) = o_strides, l_strides
-        (ob, om, oh, od), (lb, lh, lm) = out.stride(), lse.stride()
-        combine(o_buf, l_buf, out, lse, (b, sq, h),
-                (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od, lb, lm, lh))
+        (ob, om, oh, od), (lb, lh, lm) = out_strides, lse_strides
+        combine = prepare_combine(num_splits, d, (b, sq, h), (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od,
+                                                               lb, lm, lh))
+    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
+    split = None
+    if b > 0:
+        split = Prepared(
+            _split_kernel, (num_splits, hk * m_blocks, b),
+            (seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin),
+            (*o_strides, *l_strides, _stride0(seqlens), _stride0(cache_batch_idx), _stride0(cache_leftpad),
+             *table_strides, *alibi_strides(alibi_slopes), *rotary_strides,
+             seqlen_const, sq, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
+             max(left, 0), max(right, 0), qk_scale, softcap),
+            cfg.num_warps, cfg.num_stages, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+            ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
+            HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, **flags)
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, partials, sizes)
+
+
+def append_kv(p: DecodeLaunch, k, v, k_cache, v_cache) -> None:
+    """Write k/v (b, seqlen_new, hk, d) into the cache at cache_seqlens[b] (in place; k rotated)."""
+    if p.append is not None:
+        p.append((k, v, k_cache, v_cache), (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()))
+
+
+def decode_attention(p: DecodeLaunch, q, k_cache, v_cache):
+    """Attention of q over the cache (new keys already appended) -> out (b, sq, h, d) in q's dtype,
+    lse (b, h, sq) fp32."""
+    device = q.device
+    out = torch.empty(p.out_shape, dtype=q.dtype, device=device)
+    lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
+    if p.split is None:
+        return out, lse
+    if p.combine is None:
+        o_buf, l_buf = out, lse
+    elif p.partials is not None:
+        o_buf, l_buf = p.partials
+    else:
+        o_buf = torch.empty(p.partial_sizes[0], dtype=torch.float32, device=device)
+        l_buf = o_buf[p.partial_sizes[1]:]
+    p.split((q, k_cache, v_cache, o_buf, l_buf), (*q.stride(), *k_cache.stride(), *v_cache.stride()))
+    if p.combine is not None:
+        p.combine((o_buf, l_buf, out, lse), ())
     return out, lse
