@@ -12,6 +12,7 @@ import operator
 import weakref
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -63,6 +64,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
 def check_int(name: str, x, minimum: int = 0) -> int:
     """An integer argument as a Python int: an int, a numpy integer, or a one-element integer
     tensor (flash-attn's own tests pass window_size = torch.randint(0, seqlen_k, (2,)))."""
+    if type(x) is int and x >= minimum:  # the common case, several times per decoding plan
+        return x
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"{name} must be an int, got a {x.dtype} tensor of shape {tuple(x.shape)}")
@@ -371,82 +374,82 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 # --------------------------------------------------------------------------------------------
 
 def check_cache_values(lengths: torch.Tensor, seqlen_new: int, capacity: int, cache_rows: int, *,
-                       seqlens_name: str = "cache_seqlens", leftpad=None, batch_idx=None, table=None,
-                       page_size: int = 0, rotary_len: Optional[int] = None, rotary_reach: int = 0) -> int:
+                       leftpad=None, batch_idx=None, table=None, page_size: int = 0,
+                       rotary_len: Optional[int] = None, rotary_reach: int = 0) -> int:
     """Check the host values of a decoding call's indices; return the longest key range of a row.
 
-    lengths (b,): tokens already cached per batch row; seqlen_new appended after them. Contiguous:
-    capacity = k_cache.shape[1], cache_rows = k_cache.shape[0] sequences (batch_idx (b,) picks
-    them). Paged: table (b, max_pages) of pages of page_size rows, capacity = max_pages *
-    page_size, cache_rows = pages in k_cache. leftpad (b,): the first position a row reads. The
-    rotary tables (rotary_len positions) must reach lengths + rotary_reach. Every argument is a
-    CPU tensor; one vectorised pass each, no loop over rows (serving batches hold hundreds).
-    Besides bounds, two batch rows must not append into the same cache rows: one would overwrite
-    the other (pages shared for reading, as prefix caches do, are fine).
+    lengths (b,): tokens already cached per batch row (cache_seqlens); seqlen_new appended after
+    them. Contiguous: capacity = k_cache.shape[1], cache_rows = k_cache.shape[0] sequences
+    (batch_idx (b,) picks them). Paged: table (b, max_pages) of pages of page_size rows, capacity
+    = max_pages * page_size, cache_rows = pages in k_cache. leftpad (b,): the first position a row
+    reads. The rotary tables (rotary_len positions) must reach lengths + rotary_reach. Besides
+    bounds, no cache row may be appended to twice: one write would replace the other (pages shared
+    for reading, as prefix caches do, are fine).
+
+    Every argument is a CPU tensor, read as a numpy array: one vectorised pass each, no loop over
+    rows (serving batches hold hundreds), and numpy's ~1 us per operation on small arrays against
+    torch's ~3 (this runs once per decoding step: DecodePlan).
     """
-    b = lengths.shape[0]
-    if b == 0:
+    if lengths.shape[0] == 0:
         return 0
-    lengths = lengths.long()
-    ends = lengths + seqlen_new  # (b,) one past the last position each row writes or reads
-    bad = (lengths < 0) | (ends > capacity)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0])
-        n = int(lengths[row])
-        if n < 0:
-            raise ValueError(f"{seqlens_name}[{row}] = {n} must be >= 0")
-        reach = (f"block_table reaches {capacity} ({table.shape[1]} pages of {page_size})" if table is not None
+    n = lengths.numpy().astype(np.int64)  # (b,)
+    ends = n + seqlen_new  # one past the last position each row writes or reads
+    if n.min() < 0 or ends.max() > capacity:
+        row = int(np.flatnonzero((n < 0) | (ends > capacity))[0])
+        if n[row] < 0:
+            raise ValueError(f"cache_seqlens[{row}] = {n[row]} must be >= 0")
+        reach = (f"block_table reaches {capacity} ({capacity // page_size} pages of {page_size})" if page_size
                  else f"k_cache holds {capacity} per sequence (k_cache.shape[1])")
-        raise ValueError(f"cache overflow: batch row {row} holds {n} tokens ({seqlens_name}) and appends "
+        raise ValueError(f"cache overflow: batch row {row} holds {n[row]} tokens (cache_seqlens) and appends "
                          f"{seqlen_new}, but {reach}")
-    starts = torch.zeros_like(lengths)
+    starts = np.zeros_like(n)
     if leftpad is not None:
-        starts = leftpad.long()
-        bad = (starts < 0) | (starts > lengths)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0])
-            raise ValueError(f"cache_leftpad[{row}] = {int(starts[row])} must be in [0, {seqlens_name}[{row}] = "
-                             f"{int(lengths[row])}]")
+        starts = leftpad.numpy().astype(np.int64)
+        bad = (starts < 0) | (starts > n)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"cache_leftpad[{row}] = {starts[row]} must be in [0, cache_seqlens[{row}] = {n[row]}]")
     if batch_idx is not None:
-        rows = batch_idx.long()
-        bad = (rows < 0) | (rows >= cache_rows)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0])
-            raise ValueError(f"cache_batch_idx[{row}] = {int(rows[row])} is not a sequence of k_cache (it holds "
+        rows = batch_idx.numpy()
+        if rows.min() < 0 or rows.max() >= cache_rows:
+            row = int(np.flatnonzero((rows < 0) | (rows >= cache_rows))[0])
+            raise ValueError(f"cache_batch_idx[{row}] = {rows[row]} is not a sequence of k_cache (it holds "
                              f"{cache_rows})")
         if seqlen_new:
             _check_disjoint(rows[:, None], lambda r: f"sequence {r} of k_cache (cache_batch_idx)")
     if table is not None:
-        pages = table.long()
-        slot = torch.arange(pages.shape[1])[None, :]  # (1, max_pages)
-        reads = (slot >= (starts // page_size)[:, None]) & (slot < ((ends + page_size - 1) // page_size)[:, None])
-        bad = reads & ((pages < 0) | (pages >= cache_rows))
-        if bool(bad.any()):
-            row, col = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"block_table[{row}, {col}] = {int(pages[row, col])} is not a page of k_cache "
+        pages = table.numpy()
+        slot = np.arange(pages.shape[1])[None, :]  # (1, max_pages)
+        reads = slot < (-(-ends // page_size))[:, None]  # (b, max_pages): the pages up to each row's end
+        if leftpad is not None:
+            reads &= slot >= (starts // page_size)[:, None]
+        bad = reads & (pages.view(np.uint32) >= cache_rows)  # a negative page reads as a huge unsigned one
+        if bad.any():
+            row, col = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(f"block_table[{row}, {col}] = {pages[row, col]} is not a page of k_cache "
                              f"(num_blocks = {cache_rows}), and batch row {row} uses it")
         if seqlen_new:
-            pos = lengths[:, None] + torch.arange(seqlen_new)[None, :]  # (b, seqlen_new) written positions
-            _check_disjoint(pages.gather(1, pos // page_size) * page_size + pos % page_size,
+            pos = n[:, None] + np.arange(seqlen_new)[None, :]  # (b, seqlen_new) written positions
+            _check_disjoint(np.take_along_axis(pages, pos // page_size, 1) * page_size + pos % page_size,
                             lambda r: f"row {r % page_size} of page {r // page_size} (block_table)")
-    if rotary_len is not None and int(lengths.max()) + rotary_reach > rotary_len:
+    if rotary_len is not None and n.max() + rotary_reach > rotary_len:
         raise ValueError(f"rotary_cos/rotary_sin have {rotary_len} positions, but the new tokens and queries "
-                         f"reach position {int(lengths.max()) + rotary_reach - 1}")
+                         f"reach position {n.max() + rotary_reach - 1}")
     return int((ends - starts).max())
 
 
-def _check_disjoint(written: torch.Tensor, where) -> None:
+def _check_disjoint(written: np.ndarray, where) -> None:
     """written (b, n): the cache rows each batch row appends to; none may be written twice (the
     second write would replace the first). where(row) names a cache row for the message."""
-    if written.numel() < 2:
+    if written.size < 2:
         return
-    owner = torch.arange(written.shape[0])[:, None].expand_as(written).flatten()
-    flat, order = written.flatten().sort()
-    same = (flat[1:] == flat[:-1]).nonzero()
-    if same.numel():
+    flat = written.ravel()
+    order = np.argsort(flat, kind="stable")
+    same = np.flatnonzero(flat[order[1:]] == flat[order[:-1]])
+    if same.size:
         j = int(same[0])
-        a, b = sorted((int(owner[order[j]]), int(owner[order[j + 1]])))
-        raise ValueError(f"batch rows {a} and {b} would both append into {where(int(flat[j]))}: one write "
-                         f"would replace the other" if a != b else
-                         f"batch row {a} would append into {where(int(flat[j]))} twice (its block_table "
-                         f"lists a page twice)")
+        a, b = (int(order[i]) // written.shape[1] for i in (j, j + 1))
+        cache_row = where(int(flat[order[j]]))
+        raise ValueError(f"batch rows {a} and {b} would both append into {cache_row}: one write would replace "
+                         f"the other" if a != b else
+                         f"batch row {a} would append into {cache_row} twice (its block_table lists a page twice)")

@@ -653,8 +653,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens beyond the cache, or beyond what block_table addresses), page indices,
     cache_leftpad, cache_batch_idx, the rotary table's length, no two rows appending into one cache
     row - read on the host: a CUDA index tensor is copied to the host once per tensor and version
-    (the layers of a decoding step that pass the same tensors share one copy; KVCache's tensors need
-    none). A call that fails a check raises ValueError naming the argument and writes nothing.
+    (the layers of a decoding step that pass the same tensors share one copy and one plan; KVCache's
+    tensors need no copy). Index tensors made under torch.inference_mode have no version counter,
+    so each call reads (a device sync) and checks them again: a serving loop under inference_mode
+    plans with DecodePlan instead. A call that fails a check raises ValueError naming the argument
+    and writes nothing.
     Under CUDA-graph capture (or torch.compile) nothing is read on the host, so the values are not
     checked; the kernels then clamp every index into the given tensors, as DecodePlan describes: a
     row with out-of-range indices gets a meaningless output and its out-of-range new keys are not
@@ -682,31 +685,27 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
     key = None
     if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(k, (torch.Tensor, type(None))) \
             and not torch.compiler.is_compiling():
-        # fp32 dots follow allow_tf32 as it is when the plan is made
-        key = [q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape,
-               torch.backends.cuda.matmul.allow_tf32]
-        for x in args:
-            if isinstance(x, torch.Tensor):
-                if x.is_inference():  # no version counter: every call plans again
-                    key = None
-                    break
-                key.append((id(x), x._version))
-            else:
-                key.append(x)
-    plan = None
-    if key is not None:
         try:
-            key = tuple(key)
+            # float32 dots follow allow_tf32 as it is when the plan is made
+            key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape,
+                   q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, *map(_identity, args))
             plan = _recent_plans.get(key)
-        except TypeError:  # an unhashable option (window_size as a list): plan this call alone
-            key = None
-    if plan is None:
-        plan = DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
-        if key is not None and plan._checked:  # a plan made under capture has not seen the values
-            if len(_recent_plans) >= RECENT_PLANS:
-                del _recent_plans[next(iter(_recent_plans))]
-            _recent_plans[key] = plan
+        except (RuntimeError, TypeError):  # an inference tensor (no version counter), an unhashable option
+            key = plan = None
+        if plan is not None:
+            return plan
+    plan = DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
+    if key is not None and plan._checked:  # a plan made under capture has not seen the values
+        if len(_recent_plans) >= RECENT_PLANS:
+            del _recent_plans[next(iter(_recent_plans))]
+        _recent_plans[key] = plan
     return plan
+
+
+def _identity(x):
+    """An argument as a key of _recent_plans holds it: a tensor by identity and version (RuntimeError
+    for an inference tensor, which has no version), anything else by value."""
+    return (id(x), x._version) if isinstance(x, torch.Tensor) else x
 
 
 def merge_attention_states(out_partial, lse_partial):

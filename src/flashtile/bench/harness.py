@@ -58,16 +58,22 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def synchronize() -> None:
+    """Wait for the GPU, where there is one (scripts/profile_host.py also times host paths on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def wall_us(call, n: int = 50, warmup: int = 0) -> float:
     """Wall-clock microseconds per call of call() run n times back to back (host time included),
     after warmup untimed calls."""
     for _ in range(warmup):
         call()
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(n):
         call()
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - start) / n * 1e6
 
 
