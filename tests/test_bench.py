@@ -124,19 +124,58 @@ def test_decode_row_failure_is_recorded_and_the_run_goes_on(tmp_path, monkeypatc
 
     monkeypatch.setattr(decode, "DEVICE", "cpu")
     monkeypatch.setattr(decode, "ROTATION_BYTES", 1)
-    monkeypatch.setattr(decode, "cases", lambda quick: [(2, 64, 4, 2), (1, 128, 4, 2)])
+    monkeypatch.setattr(decode, "cases", lambda quick, sqs: [(2, 64, 4, 2, 1), (1, 128, 4, 2, 1), (1, 128, 4, 2, 4)])
     monkeypatch.setattr(decode, "implementations", lambda *a, **kw: {
         "eager": (decode._eager, None), "sdpa-gqa": (decode._sdpa_gqa, None), "flashtile": (broken, None)})
     monkeypatch.setattr(decode, "chosen_splits", lambda *a, **kw: 3)
     monkeypatch.setattr(harness, "wall_us", lambda call, n=50, warmup=0: 2.0)
     monkeypatch.setattr(harness, "bench_ms", lambda fn, warmup=25, rep=100: (fn(), 0.001)[1])
     monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
-    args = argparse.Namespace(dtype="float32", quick=True, impls=list(decode.IMPLS), tolerance=1e-3)
+    args = argparse.Namespace(dtype="float32", quick=True, impls=list(decode.IMPLS), tolerance=1e-3, sq=[4])
     result = decode.run(args, path)
 
-    assert result["complete"] and len(result["rows"]) == 6
-    assert [r["impl"] for r in result["rows"] if "error" in r] == ["flashtile", "flashtile"]
+    # sq = 4: the eager peer is not among SQ_IMPLS
+    assert result["complete"] and [(r["impl"], r["sq"]) for r in result["rows"]][-2:] == [("sdpa-gqa", 4),
+                                                                                         ("flashtile", 4)]
+    assert len(result["rows"]) == 8
+    assert [r["impl"] for r in result["rows"] if "error" in r] == ["flashtile"] * 3
     assert all(r["us"] == pytest.approx(1.0) for r in result["rows"] if "error" not in r)
-    assert len(result["failed"]) == 2  # main() exits non-zero after writing the file
+    assert len(result["failed"]) == 3  # main() exits non-zero after writing the file
     with open(path) as f:
-        assert len(json.load(f)["rows"]) == 6
+        assert len(json.load(f)["rows"]) == 8
+
+
+def test_decode_cases():
+    rows = decode.cases(False, [2, 16])
+    assert rows[:len(decode.SEED_SHAPES)] == [(b, ctx, 16, 2, 1) for b, ctx in decode.SEED_SHAPES]
+    assert rows[len(decode.SEED_SHAPES)] == (*decode.LLAMA_SHAPE, 32, 8, 1)
+    assert rows[len(decode.SEED_SHAPES) + 1:] == [(*s, sq) for s in decode.SQ_SHAPES for sq in (2, 16)]
+    assert [r[-1] for r in decode.cases(True, [])] == [1, 1, 1]
+
+
+@pytest.mark.interpret
+def test_decode_rows_agree_on_cpu(tmp_path, monkeypatch):
+    """The real implementations on tiny CPU shapes (kernels under the interpreter, timing faked):
+    flashtile, the plan and the paged cache agree with the reference for one query row and for
+    sq = 3 with the bottom-right causal mask, SDPA's CausalBias included; every plot is drawn."""
+    path = str(tmp_path / "decode.json")
+    monkeypatch.setattr(decode, "DEVICE", "cpu")
+    monkeypatch.setattr(decode, "ROTATION_BYTES", 1)
+    monkeypatch.setattr(decode, "HEADDIM", 32)
+    monkeypatch.setattr(decode, "cases", lambda quick, sqs: [(2, 64, 16, 2, 1)] + [(2, 64, 16, 2, sq) for sq in sqs])
+    monkeypatch.setattr(harness, "wall_us", lambda call, n=50, warmup=0: (call(), 2.0)[1])
+    monkeypatch.setattr(harness, "bench_ms", lambda fn, warmup=25, rep=100: (fn(), 0.001)[1])
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    impls = ["sdpa-gqa", "flashtile", "flashtile-plan", "flashtile-page16"]
+    args = argparse.Namespace(dtype="float32", quick=True, impls=impls, tolerance=1e-4, sq=[3])
+    result = decode.run(args, path)
+
+    assert result["failed"] == []
+    errors = {(r["impl"], r["sq"]): r["max_err_vs_sdpa"] for r in result["rows"] if "max_err_vs_sdpa" in r}
+    assert set(errors) == {("flashtile", 1), ("flashtile-plan", 1), ("flashtile-page16", 1), ("flashtile", 3),
+                           ("flashtile-plan", 3)}
+    assert all(0 < e < 1e-4 for e in errors.values())
+    assert all("us" in r and "loop_us" in r and "graph_error" in r for r in result["rows"])  # no CUDA graphs
+    harness.write_result(path, result)
+    names = [os.path.basename(p) for p in decode.plot(path, str(tmp_path))]
+    assert names == ["decode_latency.png", "decode_bandwidth.png", "decode_sq.png"]

@@ -8,16 +8,22 @@ at (64, 8192), one new query token per sequence. Implementations, in one process
   sdpa-expanded      the same after repeat_interleave of the KV heads (expansion timed too)
   flashtile-nosplit  flash_attn_with_kvcache(num_splits=1): FA2-style, one program per (batch, kv head)
   flashtile          Flash-Decoding, num_splits from configs.decode_num_splits
+  flashtile-plan     the same through a DecodePlan made once per shape (a serving loop's per-layer call)
   flashtile-page16/64  the same cache as pages of 16 / 64 tokens handed out in a random order
-Every flashtile row is checked against SDPA before it is timed. Times are do_bench medians with
-cache buffers rotating between calls (>= 640 MB in rotation against a 50 MB L2), so they measure
-HBM; GB/s = KV bytes read / time, next to the device-to-device copy ceiling of the same run.
-`loop_us` is wall time per call in a back-to-back loop (host overhead included); `graph_us` is the
+Then speculative decoding / chunked prefill: SQ query rows per sequence (GQA packing puts sq x 8
+rows in one tile), causal to the cache's end, against SDPA with torch's bottom-right causal mask,
+on SQ_SHAPES.
+Every flashtile row is checked against SDPA (sq > 1: against the expanded heads with an explicit
+mask) before it is timed. Times are do_bench medians with cache buffers rotating between calls
+(>= 640 MB in rotation against a 50 MB L2), so they measure HBM; GB/s = KV bytes read / time,
+next to the device-to-device copy ceiling of the same run. `loop_us` ("eager") is wall time per
+call in a back-to-back loop of Python calls (host overhead included); `graph_us` ("device") is the
 device time per call from a replayed CUDA graph (host overhead excluded).
 
     python -m flashtile.bench.decode --out benchmarks/results/h100
-writes decode.json (rewritten after every row); --plot-only redraws decode_latency.png and
-decode_bandwidth.png from it, --no-plot skips them (scripts/gpu_check.sh: fewer files back).
+writes decode.json (rewritten after every row); --plot-only redraws decode_latency.png,
+decode_bandwidth.png and decode_sq.png from it, --no-plot skips them (scripts/gpu_check.sh: fewer
+files back). --sq 2,4,8,16 picks the query lengths of the speculative rows ("" for none).
 --sweep times tile / split alternatives per shape (device time, CUDA graphs) into decode_sweep.json.
 """
 
@@ -34,17 +40,22 @@ from flashtile.bench import harness
 
 SEED_SHAPES = ((256, 256), (128, 512), (16, 4096), (8, 8192), (2, 32768), (1, 65536), (1, 131072))
 LLAMA_SHAPE = (64, 8192)
-IMPLS = ("eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-page16",
-         "flashtile-page64")
+SQ_SHAPES = ((16, 4096, 16, 2), (64, 8192, 32, 8))  # (batch, context, nheads, nheads_k) of the sq > 1 rows
+SQ = (2, 4, 8, 16)
+IMPLS = ("eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-plan",
+         "flashtile-page16", "flashtile-page64")
+SQ_IMPLS = ("sdpa-gqa", "flashtile", "flashtile-plan")  # the peers of the sq > 1 rows
 ROTATION_BYTES = 640 * 2**20
 HEADDIM = 128
 DEVICE = "cuda"
 
 
-def cases(quick: bool = False):
-    """(batch, context, nheads, nheads_k) of every benchmarked shape."""
+def cases(quick: bool = False, sqs=SQ):
+    """(batch, context, nheads, nheads_k, seqlen_q) of every benchmarked shape: one query row per
+    sequence on the seed and Llama shapes, then each of sqs on SQ_SHAPES (the first only if quick)."""
     shapes = SEED_SHAPES[2:4] if quick else SEED_SHAPES
-    return [(b, ctx, 16, 2) for b, ctx in shapes] + [(*LLAMA_SHAPE, 32, 8)]
+    rows = [(b, ctx, 16, 2, 1) for b, ctx in shapes] + [(*LLAMA_SHAPE, 32, 8, 1)]
+    return rows + [(*shape, sq) for shape in SQ_SHAPES[:1 if quick else None] for sq in sqs]
 
 
 def _eager(q, k, v):
@@ -59,8 +70,15 @@ def _eager(q, k, v):
 
 
 def _sdpa_gqa(q, k, v):
+    """SDPA with enable_gqa; with several query rows causal to the cache's end, as the flashtile
+    rows (torch's CausalBias: its bottom-right variant dispatches to SDPA's flash kernel)."""
+    mask = None
+    if q.shape[1] > 1:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(q.shape[1], k.shape[1])
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
 
 
@@ -72,17 +90,36 @@ def _sdpa_expanded(q, k, v):
     return out.transpose(1, 2)
 
 
-def implementations(batch, context, hk, seqlens, num_splits=None):
-    """name -> (fn(q, k, v), logical(t)) over contiguous buffers k, v (batch, context, hk, d).
+def _reference(q, k, v):
+    """What every row is checked against: SDPA with enable_gqa for one query row; with several, SDPA
+    over the expanded heads with the bottom-right causal mask spelled out (runs on any backend)."""
+    sq, sk = q.shape[1], k.shape[1]
+    if sq == 1:
+        return _sdpa_gqa(q, k, v)
+    group = q.shape[2] // k.shape[2]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)  # key j <= i + sk - sq
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(group, 1),
+        v.transpose(1, 2).repeat_interleave(group, 1), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None):
+    """name -> (fn(q, k, v), logical(t)) over contiguous buffers k, v (batch, context, hk, d) and q
+    (batch, sq, h, d); causal when sq > 1.
 
     The paged rows view the same buffers as pages reached through a random page order, so their
-    logical cache is a permutation of the buffer: logical(t) gathers it (for the SDPA check).
+    logical cache is a permutation of the buffer: logical(t) gathers it (for the SDPA check). The
+    plan row makes its DecodePlan here, once: the calls time its run alone.
     """
     import flashtile
 
+    auto = 0 if num_splits is None else num_splits
+    causal = sq > 1
+
     def flash(splits, page_size=None):
         if page_size is None:
-            return (lambda q, k, v: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens,
+            return (lambda q, k, v: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal,
                                                                      num_splits=splits)), None
         n = context // page_size
         table = torch.randperm(batch * n, device=DEVICE).view(batch, n).int()
@@ -92,23 +129,24 @@ def implementations(batch, context, hk, seqlens, num_splits=None):
 
         def run(q, k, v):
             return flashtile.flash_attn_with_kvcache(q, pages(k), pages(v), cache_seqlens=seqlens,
-                                                     block_table=table, num_splits=splits)
+                                                     block_table=table, causal=causal, num_splits=splits)
 
         return run, lambda t: pages(t)[table.long()].reshape(t.shape)
 
-    auto = 0 if num_splits is None else num_splits
+    def planned():
+        plan = flashtile.DecodePlan(batch, h, (batch, context, hk, HEADDIM), seqlens, dtype=dtype, device=DEVICE,
+                                    seqlen_q=sq, causal=causal, num_splits=auto)
+        return (lambda q, k, v: plan.run(q, k, v)), None
+
     return {"eager": (_eager, None), "sdpa-gqa": (_sdpa_gqa, None),
             "sdpa-expanded": (_sdpa_expanded, None), "flashtile-nosplit": flash(1),
-            "flashtile": flash(auto), "flashtile-page16": flash(auto, 16),
+            "flashtile": flash(auto), "flashtile-plan": planned(), "flashtile-page16": flash(auto, 16),
             "flashtile-page64": flash(auto, 64)}
 
 
 def _check(fn, logical, q, k, v) -> float:
-    """max |fn - SDPA| on the logical cache behind k, v."""
-    if logical is not None:
-        ref = _sdpa_gqa(q, logical(k), logical(v))
-    else:
-        ref = _sdpa_gqa(q, k, v)
+    """max |fn - the reference| on the logical cache behind k, v."""
+    ref = _reference(q, k, v) if logical is None else _reference(q, logical(k), logical(v))
     return float((fn(q, k, v).float() - ref.float()).abs().max())
 
 
@@ -142,12 +180,14 @@ def _graph_us(fn, q, buffers, **bench) -> float:
     return harness.bench_ms(graph.replay, **bench) * 1e3 / len(buffers)
 
 
-def chosen_splits(batch, context, h, hk, dtype, page_size=0) -> int:
+def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
     """The num_splits flashtile's heuristic picks for this shape (recorded with each row)."""
-    from flashtile.ops import configs, decode
+    from flashtile.ops import _launch, configs, decode
 
-    cfg = configs.decode_config(h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE))
-    return configs.decode_num_splits(batch * hk, context, cfg.block_n, decode._num_sms(torch.device(DEVICE)))
+    cfg = configs.decode_config(sq * h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE))
+    m_blocks = _launch.cdiv(sq * h // hk, cfg.block_m)
+    return configs.decode_num_splits(batch * hk * m_blocks, context, cfg.block_n,
+                                     decode._num_sms(torch.device(DEVICE)))
 
 
 def run(args, path: str | None = None) -> dict:
@@ -160,21 +200,22 @@ def run(args, path: str | None = None) -> dict:
               "headdim": HEADDIM, "rotation_mb": ROTATION_BYTES / 2**20, "complete": False,
               "rows": rows, "failed": failed}
     print(f"copy ceiling {result['ceilings']['copy_GBps']:.0f} GB/s")
-    for batch, context, h, hk in cases(args.quick):
+    for batch, context, h, hk, sq in cases(args.quick, args.sq):
         buffers, kv_bytes = _buffers(batch, context, hk, dtype)
-        q = torch.randn(batch, 1, h, HEADDIM, device=DEVICE, dtype=dtype)
+        q = torch.randn(batch, sq, h, HEADDIM, device=DEVICE, dtype=dtype)
         seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
-        shape = dict(batch=batch, context=context, nheads=h, nheads_k=hk, kv_mb=kv_bytes / 1e6)
+        shape = dict(batch=batch, context=context, nheads=h, nheads_k=hk, sq=sq, kv_mb=kv_bytes / 1e6)
         sdpa_us = None
-        for name, (fn, logical) in implementations(batch, context, hk, seqlens).items():
-            if name not in args.impls:
+        for name, (fn, logical) in implementations(batch, context, h, hk, seqlens, dtype, sq).items():
+            if name not in args.impls or (sq > 1 and name not in SQ_IMPLS):
                 continue
             row = dict(impl=name, **shape)
             rows.append(row)
             try:
                 if name.startswith("flashtile"):
                     page = int(name[len("flashtile-page"):]) if "page" in name else 0
-                    row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(batch, context, h, hk, dtype, page)
+                    row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(
+                        batch, context, h, hk, dtype, page, sq)
                     err = _check(fn, logical, q, *buffers[0])
                     row["max_err_vs_sdpa"] = err
                     if not err <= args.tolerance:
@@ -193,7 +234,7 @@ def run(args, path: str | None = None) -> dict:
                     sdpa_us = us
                 if sdpa_us is not None:
                     row["speedup_vs_sdpa_gqa"] = sdpa_us / us
-                print(f"{name:18s} b={batch:3d} ctx={context:6d} h={h}/{hk} {kv_bytes / 1e6:7.1f} MB "
+                print(f"{name:18s} b={batch:3d} ctx={context:6d} h={h}/{hk} sq={sq:2d} {kv_bytes / 1e6:7.1f} MB "
                       f"{us:8.1f} us {row['GBps']:7.0f} GB/s  loop {row['loop_us']:7.1f} us"
                       f"  graph {row.get('graph_us', float('nan')):7.1f} us"
                       + (f"  splits {row['num_splits']}" if "num_splits" in row else ""))
@@ -234,7 +275,9 @@ def sweep(args) -> dict:
                 splits = max(1, round(base * factor))
                 configs.decode_config = (lambda r, d, dt, p, dev, bn=block_n, w=warps, s=stages:
                                          configs.BlockConfig(real(r, d, dt, p, dev).block_m, bn, w, s))
-                fn, logical = implementations(batch, context, hk, seqlens, splits)[
+                # a new lengths tensor per variant: flash_attn_with_kvcache keeps its recent plans by the
+                # identity of the index tensors, and each variant's plan has other tiles
+                fn, logical = implementations(batch, context, h, hk, seqlens.clone(), dtype, num_splits=splits)[
                     "flashtile-page16" if page else "flashtile"]
                 row = dict(batch=batch, context=context, nheads=h, page=page, block_n=block_n,
                            warps=warps, stages=stages, splits=splits)
@@ -259,9 +302,13 @@ def sweep(args) -> dict:
     return {"env": harness.environment(), "dtype": args.dtype, "rows": rows}
 
 
+EAGER_LINES = ("flashtile", "flashtile-plan", "sdpa-gqa")  # drawn twice: device time and eager
+
+
 def plot(json_path: str, out_dir: str) -> list[str]:
-    """decode_latency.png (microseconds vs context, seed shapes) and decode_bandwidth.png (GB/s per
-    shape against the copy ceiling), from decode.json."""
+    """decode_latency.png (microseconds vs context, seed shapes: device time, and eager time for
+    EAGER_LINES), decode_bandwidth.png (GB/s per shape against the copy ceiling) and decode_sq.png
+    (device and eager time against query rows per sequence), from decode.json."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,9 +316,10 @@ def plot(json_path: str, out_dir: str) -> list[str]:
 
     with open(json_path) as f:
         data = json.load(f)
-    rows = [r for r in data["rows"] if "us" in r]
+    every = [r for r in data["rows"] if "us" in r]
+    rows = [r for r in every if r.get("sq", 1) == 1]
     # device time (graph replay) where the row has it: the kernels without the host's Python
-    dev = {id(r): r.get("graph_us", r["us"]) for r in rows}
+    dev = {id(r): r.get("graph_us", r["us"]) for r in every}
     impls = [name for name in IMPLS if any(r["impl"] == name for r in rows)]
     env, copy = data["env"], data["ceilings"]["copy_GBps"]
     title = f"{data['dtype']}, d={data['headdim']} — {env['gpu']}, torch {env['torch']}, triton {env['triton']}"
@@ -282,17 +330,17 @@ def plot(json_path: str, out_dir: str) -> list[str]:
         pts = sorted((r["context"], dev[id(r)]) for r in mine)
         line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
                         linewidth=2.5 if name == "flashtile" else 1.2)
-        if name in ("flashtile", "sdpa-gqa"):  # the same calls timed from Python, host time included
-            pts = sorted((r["context"], r["us"]) for r in mine)
+        if name in EAGER_LINES:  # the same calls back to back from Python: host time included
+            pts = sorted((r["context"], r["loop_us"]) for r in mine if "loop_us" in r)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", linewidth=1,
-                    color=line.get_color(), label=f"{name} (do_bench, with host time)")
+                    color=line.get_color(), label=f"{name} eager (Python loop)")
     batches = sorted({(r["context"], r["batch"]) for r in rows if r["nheads"] == 16})
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks([c for c, _ in batches], [f"{c}\nb={b}" for c, b in batches], fontsize=7)
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("context length (batch)")
-    ax.set_ylabel("µs per decoding step: device time from CUDA graphs (median)")
+    ax.set_ylabel("µs per decoding step: device time from CUDA graphs (median); dashed: eager")
     ax.set_title(f"Decoding, 16 q / 2 kv heads\n{title}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
@@ -320,6 +368,34 @@ def plot(json_path: str, out_dir: str) -> list[str]:
     paths.append(os.path.join(out_dir, "decode_bandwidth.png"))
     fig.savefig(paths[1], dpi=90)
     plt.close(fig)
+
+    spec = [r for r in every if r.get("sq", 1) > 1]
+    if spec:
+        shapes = sorted({(r["batch"], r["context"], r["nheads"], r["nheads_k"]) for r in spec})
+        fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), squeeze=False)
+        for ax, (b, ctx, h, hk) in zip(axes[0], shapes):
+            for name in SQ_IMPLS:
+                mine = sorted((r for r in spec if r["impl"] == name and (r["batch"], r["context"], r["nheads"],
+                                                                          r["nheads_k"]) == (b, ctx, h, hk)),
+                              key=lambda r: r["sq"])
+                if not mine:
+                    continue
+                line, = ax.plot([r["sq"] for r in mine], [dev[id(r)] for r in mine], marker="o", label=name)
+                eager = [(r["sq"], r["loop_us"]) for r in mine if "loop_us" in r]
+                ax.plot([p[0] for p in eager], [p[1] for p in eager], linestyle="--", linewidth=1,
+                        color=line.get_color(), label=f"{name} eager")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({r["sq"] for r in spec}), [str(n) for n in sorted({r["sq"] for r in spec})])
+            ax.set_xlabel("query rows per sequence (causal to the cache's end)")
+            ax.set_ylabel("µs per step: device time; dashed: eager")
+            ax.set_title(f"b={b} ctx={ctx} {h} q / {hk} kv heads", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"Speculative decoding / chunked prefill\n{title}", fontsize=9)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "decode_sq.png"))
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
     return paths
 
 
@@ -330,7 +406,9 @@ def main(argv=None) -> None:
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     p.add_argument("--tolerance", type=float, default=None,
                    help="max |flashtile - SDPA| before timing (default 4e-3 fp16, 3e-2 bf16: ~16 ulps)")
-    p.add_argument("--quick", action="store_true", help="two seed shapes and the Llama shape only")
+    p.add_argument("--quick", action="store_true", help="two seed shapes, the Llama shape, one sq shape only")
+    p.add_argument("--sq", type=lambda s: [int(x) for x in s.split(",") if x], default=list(SQ),
+                   help="query rows per sequence of the speculative-decoding rows (default 2,4,8,16; '' for none)")
     p.add_argument("--sweep", action="store_true", help="tile / split sweep into decode_sweep.json")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="write decode.json only (redraw later with --plot-only)")
