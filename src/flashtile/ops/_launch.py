@@ -71,7 +71,7 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
         return kernel[grid](*tensors, *scalars, **constexprs, **options)
     device = tensors[0].get_device()
     key = (device, num_warps, num_stages, launch_pdl, scalars, tuple(constexprs.items()),
-           tuple(_tensor_key(t) for t in tensors))
+           tuple(map(_tensor_key, tensors)))
     _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device)
 
 
@@ -117,7 +117,7 @@ class Prepared:
         self.kernel, self.grid, self.tensors, self.scalars, self.constexprs = kernel, grid, tensors, scalars, constexprs
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
         fixed = (num_warps, num_stages, launch_pdl, scalars, tuple(constexprs.items()),
-                 tuple(_tensor_key(t) for t in tensors))
+                 tuple(map(_tensor_key, tensors)))
         self._id = _fixed_ids.get(fixed)
         if self._id is None:
             if len(_fixed_ids) >= MAX_ENTRIES:
@@ -131,6 +131,6 @@ class Prepared:
             self.kernel[self.grid](*every, *scalars, *self.scalars, **self.constexprs, **self.options)
             return
         device = every[0].get_device()
-        key = (self._id, device, scalars, tuple(_tensor_key(t) for t in tensors))
+        key = (self._id, device, scalars, tuple(map(_tensor_key, tensors)))
         _cached_launch(self.kernel, key, self.grid, every, scalars + self.scalars, self.constexprs, self.options,
                        device)
