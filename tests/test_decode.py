@@ -192,6 +192,22 @@ def test_a_call_plans_once_per_version(monkeypatch):
         assert len(made) == 4
 
 
+def test_inference_tensors_are_checked_every_call(monkeypatch):
+    """Index tensors made under inference_mode have no version counter: no plan is kept for them,
+    so every call reads and checks their values (an overflow written in place is caught)."""
+    made = []
+    real = DecodePlan._plan
+    monkeypatch.setattr(DecodePlan, "_plan", lambda self, *a, **kw: made.append(1) or real(self, *a, **kw))
+    with torch.inference_mode(), api.use_backend("reference"):
+        args = _paged()
+        flash_attn_with_kvcache(**args)
+        flash_attn_with_kvcache(**args)
+        assert len(made) == 2
+        args["cache_seqlens"][0] = 64
+        with pytest.raises(ValueError, match="block_table reaches 64"):
+            flash_attn_with_kvcache(**args)
+
+
 def test_values_unread_under_capture_are_not_checked(monkeypatch):
     """Where the host cannot read the index values (CUDA-graph capture: host_copy returns None),
     the call is planned without value checks, and such a plan is never reused."""
