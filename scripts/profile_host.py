@@ -58,17 +58,7 @@ def captured_launch(jit_kernel, call):
 
 def graph_ms(fn) -> float:
     """Median ms of fn replayed from a CUDA graph (no host time)."""
-    from flashtile.bench import harness
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return harness.bench_ms(graph.replay)
+    return harness.bench_ms(harness.capture(fn)[0].replay)
 
 
 def prefill_rows(row, lines):

@@ -11,6 +11,7 @@ import torch
 
 from decode_check import check_kvcache, make_cache
 from flashtile import DecodePlan, flash_attn_with_kvcache, merge_attention_states
+from flashtile.bench.harness import capture
 from flashtile.reference.decoding import merge
 from flashtile.testing import assert_2x
 
@@ -121,14 +122,7 @@ def test_cuda_graph_capture():
     k, v = (torch.randn(4, 1, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     k_cache, v_cache = (torch.randn(4, 4096, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     seqlens = torch.tensor([4000, 17, 3000, 1], dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream: compiles the kernels
-        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    graph, out = capture(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens))
     q.copy_(torch.randn_like(q))
     graph.replay()
     want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=seqlens)
@@ -146,19 +140,6 @@ def test_plan_matches_the_call_and_the_oracle(page_size, dtype):
                       leftpad=True, causal=True, rotary=(128, True))
 
 
-def _graph_of(fn):
-    """fn() captured in a CUDA graph after a warm-up on a side stream (compiles the kernels)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
 @pytest.mark.parametrize("num_splits", [1, 0], ids=["one-split", "heuristic"])
 def test_plan_run_in_a_cuda_graph(page_size, num_splits):
@@ -173,7 +154,7 @@ def test_plan_run_in_a_cuda_graph(page_size, num_splits):
                       block_table=table, causal=True, num_splits=num_splits)
     q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.float16) for _ in range(2))
-    graph, out = _graph_of(lambda: plan.run(q, k_cache, v_cache, k, v))
+    graph, out = capture(lambda: plan.run(q, k_cache, v_cache, k, v))
     for _ in range(3):
         for t in (q, k, v, k_cache, v_cache):
             t.copy_(torch.randn_like(t))
@@ -283,7 +264,7 @@ def test_unchecked_indices_in_a_cuda_graph():
     q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.float16) for _ in range(2))
     kw = dict(cache_seqlens=seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad, num_splits=2)
-    graph, out = _graph_of(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw))
+    graph, out = capture(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw))
     seqlens.copy_(torch.tensor([100, 900, 2**31 - 1, -2**31], dtype=torch.int32))
     batch_idx.copy_(torch.tensor([0, 1, 7, -3], dtype=torch.int32))
     leftpad.copy_(torch.tensor([0, 0, -2**31, 2**31 - 1], dtype=torch.int32))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile.bench.harness import capture
 from prefill_check import check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
@@ -87,14 +88,7 @@ def test_backward_cuda_graph(d):
     q, k, v = make_qkv(2, 1024, 1024, 8, 2, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     out, lse = attention_forward(q, k, v, scale, window)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles and fills the launch cache outside the capture
-        attention_backward(dout, q, k, v, out, lse, scale, window)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = attention_backward(dout, q, k, v, out, lse, scale, window)
+    graph, captured = capture(lambda: attention_backward(dout, q, k, v, out, lse, scale, window))
     for _ in range(3):
         for t in (q, k, v, dout):
             t.copy_(torch.randn_like(t))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile.bench.harness import capture
 from flashtile.reference.dropout import draw_rng
 from prefill_check import check_prefill, make_qkv
 from varlen_check import check_varlen, offsets
@@ -111,17 +112,12 @@ def test_dropout_cuda_graph():
     seed is drawn on the device, as torch's dropout), and the backward uses the replay's mask."""
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 512, 512, 4, 2, 64, torch.bfloat16, "cuda"))
     dout = torch.randn_like(q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm the launch cache outside the capture
-        for _ in range(2):
-            out = flashtile.flash_attn_func(q, k, v, dropout_p=0.2, causal=True)
-            torch.autograd.grad(out, (q, k, v), dout)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         out = flashtile.flash_attn_func(q, k, v, dropout_p=0.2, causal=True)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
+        return out, torch.autograd.grad(out, (q, k, v), dout)
+
+    graph, (out, grads) = capture(step, warmup=2)
     results = []
     for _ in range(3):
         graph.replay()

@@ -175,16 +175,7 @@ def _graph_us(fn, q, buffers, **bench) -> float:
     """Device time per call without host overhead: one CUDA graph holding a call on every rotating
     buffer, replayed (do_bench's cache flush between replays hides only ~90 µs of host time, so
     `us` of a call with more host work than that includes part of it; `graph_us` does not)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture: compilation, allocator
-        for k, v in buffers[:2]:
-            fn(q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for k, v in buffers:
-            fn(q, k, v)
+    graph, _ = harness.capture(lambda: [fn(q, k, v) for k, v in buffers])
     return harness.bench_ms(graph.replay, **bench) * 1e3 / len(buffers)
 
 

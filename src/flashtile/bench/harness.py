@@ -64,6 +64,21 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def capture(fn, warmup: int = 1):
+    """(graph, what fn() returned while captured): fn() first runs warmup times on a side stream,
+    so compilation, launch caches and the allocator's first requests stay out of the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def wall_us(call, n: int = 50, warmup: int = 0) -> float:
     """Wall-clock microseconds per call of call() run n times back to back (host time included),
     after warmup untimed calls."""
