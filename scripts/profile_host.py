@@ -140,8 +140,8 @@ def launch_key_rows(row, split: _launch.Prepared, tensors: tuple, scalars: tuple
         def __getitem__(self, grid):
             return lambda *args, **kwargs: Compiled()
 
-    real_stream = _launch._stream
-    _launch._stream = lambda device: 0
+    real_stream = _launch.current_stream
+    _launch.current_stream = lambda device: 0
     try:
         kernel = Kernel()
         every = tuple(StandIn(t) if t is not None else None for t in tensors + split.tensors)
@@ -152,7 +152,7 @@ def launch_key_rows(row, split: _launch.Prepared, tensors: tuple, scalars: tuple
                                     split.options["num_warps"], split.options["num_stages"], **split.constexprs)
         row("  _launch.Prepared (the plan's): the call's part of the key", lambda: prepared(every[:len(tensors)], scalars))
     finally:
-        _launch._stream = real_stream
+        _launch.current_stream = real_stream
 
 
 def main(out=None):
@@ -199,6 +199,12 @@ def main(out=None):
                 row(f"DecodePlan.run, {label}", lambda: plan.run(q, k_cache, v_cache, *kv))
         row("flash_attn_with_kvcache, num_splits=1", lambda: flashtile.flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=seqlens, num_splits=1))
+        for splits in (4, 16):  # the merge fused into the split kernel (one launch), then the combine kernel
+            plan = flashtile.DecodePlan(b, h, kc.shape, seqlens, dtype=q.dtype, device=dev, num_splits=splits)
+            merge = "fused merge" if plan._launch.fused else "combine kernel"
+            row(f"DecodePlan.run, num_splits={splits} ({merge})", lambda: plan.run(q, kc, vc))
+            row(f"flash_attn_with_kvcache, num_splits={splits} ({merge})", lambda: flashtile.flash_attn_with_kvcache(
+                q, kc, vc, cache_seqlens=seqlens, num_splits=splits))
         row("flash_attn_with_kvcache, int cache_seqlens", lambda: flashtile.flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=ctx))
         lines.append("pieces:")
@@ -222,7 +228,7 @@ def main(out=None):
     row("  2 x torch.empty (out, lse)", lambda: (torch.empty((b, 1, h, d), dtype=q.dtype, device=dev),
                                                  torch.empty((b, h, 1), dtype=torch.float32, device=dev)))
     outputs = (torch.empty(b, 1, h, d, dtype=q.dtype, device=dev), torch.empty(b, h, 1, dtype=torch.float32, device=dev))
-    launch_key_rows(row, launch.split, (q, kc, vc, *outputs), (*q.stride(), *kc.stride(), *vc.stride()))
+    launch_key_rows(row, launch.split, (q, kc, vc, *outputs, None, None, None), (*q.stride(), *kc.stride(), *vc.stride()))
 
     if cuda:
         row("  torch.cuda.device(q.device) enter/exit", lambda: api._device_guard(q).__enter__() and None)

@@ -66,6 +66,47 @@ def test_num_splits_agree(dtype):
         torch.testing.assert_close(lse, results[0][1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("num_splits", [2, 7, 32, 64])
+def test_fused_merge_on_the_gpu(num_splits, monkeypatch):
+    """The split kernel's last program merges (fused) as the combine kernel does, whichever program
+    arrives last: 50 runs bitwise equal to the first (the merge reads the partials in split order),
+    the arrival counters zero after each, and runs on two streams at once (one set of counters
+    each) equal to it too."""
+    from flashtile.ops import configs
+
+    torch.manual_seed(0)
+    b, h, hk, d, capacity = 6, 16, 2, 128, 8192
+    k_cache, v_cache, _ = make_cache(b, capacity, hk, d, torch.float16, "cuda", None, b)
+    lengths = [8192, 5000, 1, 0, 4097, 300]
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.float16)
+    results = {}
+    for combine in ("fused", "kernel"):
+        monkeypatch.setattr(configs, "DECODE_FUSED_MAX_SPLITS", 1 << 30 if combine == "fused" else 0)
+        plan = DecodePlan(b, h, k_cache.shape, lengths, dtype=torch.float16, device="cuda", num_splits=num_splits)
+        assert plan._launch.fused == (combine == "fused")
+        results[combine] = plan.run(q, k_cache, v_cache, return_softmax_lse=True)
+    torch.testing.assert_close(results["fused"][0].float(), results["kernel"][0].float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(results["fused"][1], results["kernel"][1], atol=1e-5, rtol=0)
+
+    monkeypatch.setattr(configs, "DECODE_FUSED_MAX_SPLITS", 1 << 30)
+    plan = DecodePlan(b, h, k_cache.shape, lengths, dtype=torch.float16, device="cuda", num_splits=num_splits)
+    first = plan.run(q, k_cache, v_cache)
+    for _ in range(50):
+        assert torch.equal(plan.run(q, k_cache, v_cache), first)
+    assert all(not c.any() for c in plan._launch.arrivals.values())
+    # flash_attn_with_kvcache's plans: each call has its own partials, so streams may overlap
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    torch.cuda.synchronize()
+    for stream in streams:
+        with torch.cuda.stream(stream):
+            outs.append([flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits)
+                         for _ in range(20)])
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, first) for run in outs for o in run)
+
+
 FEATURES = {
     "rotary-gptj-causal": dict(rotary=(128, True), causal=True),
     "rotary-neox-partial": dict(rotary=(64, False)),

@@ -11,6 +11,7 @@ import torch
 
 from decode_check import check_kvcache, make_cache, poisoned_empty
 from flashtile import DecodePlan, _checks, api
+from flashtile.ops import configs
 from flashtile.reference.kvcache import attention_with_kvcache
 from flashtile.testing import assert_2x
 
@@ -52,15 +53,27 @@ LENGTHS = {
 }
 
 
+# the splits merged by the split kernel's last program (fused) or by the combine kernel
+COMBINE = pytest.mark.parametrize("combine", ["fused", "kernel"])
+
+
+def use_combine(monkeypatch, combine):
+    monkeypatch.setattr(configs, "DECODE_FUSED_MAX_SPLITS", 1 << 30 if combine == "fused" else 0)
+
+
+@COMBINE
 @pytest.mark.parametrize("lengths,s_new", LENGTHS.values(), ids=LENGTHS.keys())
-def test_lengths(lengths, s_new):
+def test_lengths(lengths, s_new, combine, monkeypatch):
+    use_combine(monkeypatch, combine)
     check_kvcache(2, 1, 4, 2, 32, 100, s_new, torch.float16, "cpu", lengths=lengths, num_splits=3)
 
 
+@COMBINE
 @DTYPES
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
-def test_num_splits_agree(page_size, dtype):
+def test_num_splits_agree(page_size, dtype, combine, monkeypatch):
     """1 split (no combine), several, more splits than tiles (empty ones), and the heuristic."""
+    use_combine(monkeypatch, combine)
     results = [check_kvcache(2, 1, 8, 2, 32, 300, 1, dtype, "cpu", page_size=page_size,
                              lengths=[299, 170], num_splits=n) for n in (1, 3, 16, 0)]
     tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp32 partials; fp16 output rounding
@@ -222,6 +235,31 @@ def test_one_plan_runs_every_layer(page_size):
                                                      return_softmax_lse=True)
         assert torch.equal(out, want) and torch.equal(lse, want_lse), f"layer {layer}"
         assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc), f"layer {layer}: appended keys"
+    launch = plan._launch
+    assert launch.fused and list(launch.arrivals) == [None]  # CPU tensors: one stream, no handle
+    assert not launch.arrivals[None].any(), "the fused merge leaves its arrival counters zeroed"
+
+
+@pytest.mark.parametrize("sq,h,hk,num_splits", [(1, 8, 2, 5), (9, 16, 2, 2), (2, 4, 4, 7)],
+                         ids=["gqa4", "two-m-blocks", "mha-sq2"])
+def test_fused_merge_equals_the_combine_kernel(sq, h, hk, num_splits, monkeypatch):
+    """The fused merge (online, one split at a time, in the split kernel's last program) and the
+    combine kernel (every split of a row at once) agree to fp32 rounding, rows with no keys
+    included; the fused plan launches no combine."""
+    b, d, capacity = 3, 32, 200
+    cache = make_cache(b, capacity, hk, d, torch.float32, "cpu", None, b)[:2]
+    q = torch.randn(b, sq, h, d)
+    lengths = torch.tensor([150, 0, 199 - sq + 1], dtype=torch.int32)[:b]
+    results = {}
+    for combine in ("fused", "kernel"):
+        use_combine(monkeypatch, combine)
+        plan = DecodePlan(b, h, cache[0].shape, lengths.clone(), dtype=torch.float32, device="cpu", seqlen_q=sq,
+                          causal=True, num_splits=num_splits)
+        assert plan._launch.fused == (combine == "fused") and (plan._launch.combine is None) == plan._launch.fused
+        with poisoned_empty():
+            results[combine] = plan.run(q, *cache, return_softmax_lse=True)
+    torch.testing.assert_close(results["fused"], results["kernel"], atol=1e-6, rtol=1e-5)
+    assert torch.equal(results["fused"][0][1], torch.zeros(sq, h, d)), "a row with no keys outputs zeros"
 
 
 # ---- indices the host cannot check (CUDA-graph capture): clamped, never out of bounds -------------

@@ -40,7 +40,7 @@ class FakeKernel:
 
 @pytest.fixture
 def kernel(monkeypatch):
-    monkeypatch.setattr(_launch, "_stream", lambda device: 77)
+    monkeypatch.setattr(_launch, "current_stream", lambda device: 77)
     # signature: X, Y, n, scale, then the constexprs in an order unlike the call's keywords
     return FakeKernel(["X", "Y", "n", "scale", "B", "A"])
 

@@ -3,6 +3,7 @@
 Shapes (BENCHMARKS.md): fp16, 16 query / 2 KV heads, d=128, (batch, context) = (256, 256)
 (128, 512) (16, 4096) (8, 8192) (2, 32768) (1, 65536) (1, 131072), and Llama-3-8B's 32 / 8 heads
 at (64, 8192), one new query token per sequence. Implementations, in one process:
+  read-floor         not attention: a Triton kernel that only reads the cache once (the floor)
   eager              PyTorch: expand the KV heads, matmul, softmax, matmul
   sdpa-gqa           scaled_dot_product_attention(enable_gqa=True): what a user gets today
   sdpa-expanded      the same after repeat_interleave of the KV heads (expansion timed too)
@@ -31,6 +32,7 @@ files back). --sq 2,4,8,16 picks the query lengths of the speculative rows ("" f
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -43,7 +45,7 @@ SEED_SHAPES = ((256, 256), (128, 512), (16, 4096), (8, 8192), (2, 32768), (1, 65
 LLAMA_SHAPE = (64, 8192)
 SQ_SHAPES = ((16, 4096, 16, 2), (64, 8192, 32, 8))  # (batch, context, nheads, nheads_k) of the sq > 1 rows
 SQ = (2, 4, 8, 16)
-IMPLS = ("eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-plan",
+IMPLS = ("read-floor", "eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-plan",
          "flashtile-page16", "flashtile-page64")
 SQ_IMPLS = ("sdpa-gqa", "flashtile", "flashtile-plan")  # the peers of the sq > 1 rows
 ROTATION_BYTES = 640 * 2**20
@@ -57,6 +59,35 @@ def cases(quick: bool = False, sqs=SQ):
     shapes = SEED_SHAPES[2:4] if quick else SEED_SHAPES
     rows = [(b, ctx, 16, 2, 1) for b, ctx in shapes] + [(*LLAMA_SHAPE, 32, 8, 1)]
     return rows + [(*shape, sq) for shape in SQ_SHAPES[:1 if quick else None] for sq in sqs]
+
+
+READ_BLOCK = 8192  # elements of K (and of V) one program of the read floor reads
+
+
+@functools.lru_cache(maxsize=None)
+def _read_floor_kernel():
+    """A Triton kernel that reads K and V once and writes one float per program: the least any
+    decoding kernel must do (its time is the floor of any kernel over this cache, launch included)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_floor(K, V, Out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(K + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(V + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Out + tl.program_id(0), tl.sum(x, 0))
+
+    return read_floor
+
+
+def _read_floor(q, k, v):
+    """Every byte of the cache read once (a sum per program), nothing else: the bandwidth floor."""
+    n = k.numel()
+    grid = -(-n // READ_BLOCK)
+    out = torch.empty(grid, dtype=torch.float32, device=k.device)
+    _read_floor_kernel()[(grid,)](k, v, out, n, BLOCK=READ_BLOCK, num_warps=8)
+    return out
 
 
 def _eager(q, k, v):
@@ -139,7 +170,7 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
                                     seqlen_q=sq, causal=causal, num_splits=auto)
         return (lambda q, k, v: plan.run(q, k, v)), None
 
-    return {"eager": (_eager, None), "sdpa-gqa": (_sdpa_gqa, None),
+    return {"read-floor": (_read_floor, None), "eager": (_eager, None), "sdpa-gqa": (_sdpa_gqa, None),
             "sdpa-expanded": (_sdpa_expanded, None), "flashtile-nosplit": flash(1),
             "flashtile": flash(auto), "flashtile-plan": planned(), "flashtile-page16": flash(auto, 16),
             "flashtile-page64": flash(auto, 64)}
@@ -251,53 +282,82 @@ def run(args, path: str | None = None) -> dict:
     return result
 
 
-SWEEP_SHAPES = ((256, 256, 16, 2), (16, 4096, 16, 2), (1, 65536, 16, 2), (1, 131072, 16, 2), (64, 8192, 32, 8))
+SWEEP_SHAPES = "256x256,16x4096,1x65536,1x131072,64x8192x32x8"  # batch x context [x nheads x nheads_k]
+SWEEP_TILES = "32,64,128x4,8x2,3,4"  # block_n values x warps x stages, each a comma list; "" = shipped tiles
+
+
+def _sweep_shapes(spec: str):
+    """'256x256,64x8192x32x8' -> ((256, 256, 16, 2), (64, 8192, 32, 8)): 16 / 2 heads by default."""
+    shapes = []
+    for item in filter(None, spec.split(",")):
+        n = [int(x) for x in item.split("x")]
+        shapes.append(tuple(n) if len(n) == 4 else (*n, 16, 2))
+    return shapes
+
+
+def _sweep_tiles(spec: str):
+    """'32,64x4x2,3' -> [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3)]; '' -> [None] (shipped)."""
+    if not spec:
+        return [None]
+    axes = [[int(v) for v in axis.split(",")] for axis in spec.split("x")]
+    return list(itertools.product(*axes))
 
 
 def sweep(args) -> dict:
-    """Device time (graph_us) of flashtile's contiguous and page-16 paths per shape under alternative
-    tiles and split counts (configs.decode_config replaced for the call; splits = the heuristic's
-    count x factor)."""
+    """Device time (graph_us) of flashtile's contiguous and paged paths per shape under alternative
+    tiles, split counts (the heuristic's count x factor) and merges (the combine fused into the split
+    kernel or a combine kernel): configs.decode_config and DECODE_FUSED_MAX_SPLITS replaced for the call."""
     from flashtile.ops import configs
 
     dtype = getattr(torch, args.dtype)
-    real = configs.decode_config
+    real, real_fused = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS
+    pages = [int(p) for p in args.sweep_pages.split(",")]
+    factors = [float(f) for f in args.sweep_factors.split(",")]
     rows = []
     try:
-        for batch, context, h, hk in SWEEP_SHAPES:
+        for batch, context, h, hk in _sweep_shapes(args.sweep_shapes):
             buffers, kv_bytes = _buffers(batch, context, hk, dtype)
             q = torch.randn(batch, 1, h, HEADDIM, device=DEVICE, dtype=dtype)
             seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
-            base = chosen_splits(batch, context, h, hk, dtype)
-            for page, block_n, warps, stages, factor in itertools.product(
-                    (0, 16), (32, 64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2, 4)):
+            for page, tile, factor, combine in itertools.product(pages, _sweep_tiles(args.sweep_tiles), factors,
+                                                                 args.sweep_combine.split(",")):
+                if tile is None:
+                    configs.decode_config = real
+                else:
+                    configs.decode_config = (lambda r, d, dt, p, dev, t=tile:
+                                             configs.BlockConfig(real(r, d, dt, p, dev).block_m, *t))
+                configs.DECODE_FUSED_MAX_SPLITS = 1 << 30 if combine == "fused" else 0
+                cfg = configs.decode_config(h // hk, HEADDIM, dtype, page, torch.device(DEVICE))
+                base = chosen_splits(batch, context, h, hk, dtype, page)
                 splits = max(1, round(base * factor))
-                configs.decode_config = (lambda r, d, dt, p, dev, bn=block_n, w=warps, s=stages:
-                                         configs.BlockConfig(real(r, d, dt, p, dev).block_m, bn, w, s))
                 # a new lengths tensor per variant: flash_attn_with_kvcache keeps its recent plans by the
                 # identity of the index tensors, and each variant's plan has other tiles
                 fn, logical = implementations(batch, context, h, hk, seqlens.clone(), dtype, num_splits=splits)[
-                    "flashtile-page16" if page else "flashtile"]
-                row = dict(batch=batch, context=context, nheads=h, page=page, block_n=block_n,
-                           warps=warps, stages=stages, splits=splits)
+                    f"flashtile-page{page}" if page else "flashtile"]
+                row = dict(batch=batch, context=context, nheads=h, page=page, block_n=cfg.block_n,
+                           warps=cfg.num_warps, stages=cfg.num_stages, splits=splits,
+                           combine="none" if splits == 1 else combine)
                 rows.append(row)
                 try:
                     row["max_err_vs_sdpa"] = _check(fn, logical, q, *buffers[0])
                     row["graph_us"] = _graph_us(fn, q, buffers, warmup=10, rep=40)
                     row["GBps"] = kv_bytes / row["graph_us"] * 1e-3
+                    print(f"b={batch:3d} ctx={context:6d} page={page:2d} BLOCK_N {cfg.block_n:3d} warps "
+                          f"{cfg.num_warps} stages {cfg.num_stages} splits {splits:3d} {row['combine']:6s} "
+                          f"{row['graph_us']:7.1f} us {row['GBps']:6.0f} GB/s", flush=True)
                 except Exception as e:  # out of shared memory for big tiles x stages: record, go on
                     row["error"] = repr(e)[:160]
-            for page in (0, 16):
+            for page in pages:
                 mine = [r for r in rows if r["batch"] == batch and r["context"] == context
                         and r["page"] == page and "graph_us" in r]
                 best = min(mine, key=lambda r: r["graph_us"])
                 print(f"b={batch:3d} ctx={context:6d} page={page:2d} best {best['graph_us']:7.1f} us "
                       f"{best['GBps']:6.0f} GB/s: BLOCK_N {best['block_n']} warps {best['warps']} "
-                      f"stages {best['stages']} splits {best['splits']} (heuristic {base})", flush=True)
+                      f"stages {best['stages']} splits {best['splits']} {best['combine']}", flush=True)
             del buffers
             torch.cuda.empty_cache()
     finally:
-        configs.decode_config = real
+        configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS = real, real_fused
     return {"env": harness.environment(), "dtype": args.dtype, "rows": rows}
 
 
@@ -408,7 +468,15 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="two seed shapes, the Llama shape, one sq shape only")
     p.add_argument("--sq", type=lambda s: [int(x) for x in s.split(",") if x], default=list(SQ),
                    help="query rows per sequence of the speculative-decoding rows (default 2,4,8,16; '' for none)")
-    p.add_argument("--sweep", action="store_true", help="tile / split sweep into decode_sweep.json")
+    p.add_argument("--sweep", action="store_true", help="tile / split / merge sweep into decode_sweep.json")
+    p.add_argument("--sweep-shapes", default=SWEEP_SHAPES, help=f"batch x context [x h x hk], comma list "
+                   f"(default {SWEEP_SHAPES})")
+    p.add_argument("--sweep-pages", default="0,16", help="page sizes, 0 = contiguous (default 0,16)")
+    p.add_argument("--sweep-tiles", default=SWEEP_TILES,
+                   help=f"block_n x warps x stages lists ('' = the shipped tiles; default {SWEEP_TILES})")
+    p.add_argument("--sweep-factors", default="0.5,1,2,4", help="split counts: the heuristic's x these")
+    p.add_argument("--sweep-combine", default="fused,kernel", help="merges: fused (in the split kernel), kernel")
+    p.add_argument("--sweep-out", default="decode_sweep.json", help="sweep result file name")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="write decode.json only (redraw later with --plot-only)")
     args = p.parse_args(argv)
@@ -422,7 +490,7 @@ def main(argv=None) -> None:
         if unknown:
             p.error(f"--impls: unknown {sorted(unknown)}; choose from {IMPLS}")
         if args.sweep:
-            harness.write_result(os.path.join(out, "decode_sweep.json"), sweep(args))
+            harness.write_result(os.path.join(out, args.sweep_out), sweep(args))
             return
         path = os.path.join(out, "decode.json")
         result = run(args, path)

@@ -41,7 +41,7 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def _stream(device: int) -> int:
+def current_stream(device: int) -> int:
     """The current CUDA stream of `device`, as Triton's own launch path reads it."""
     return triton.runtime.driver.active.get_current_stream(device)
 
@@ -92,7 +92,7 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
         return
     compiled, tail = hit
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-    compiled.run(g0, g1, g2, _stream(device), compiled.function,
+    compiled.run(g0, g1, g2, current_stream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *tensors, *scalars, *tail)
 
 

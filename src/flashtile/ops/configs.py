@@ -152,6 +152,8 @@ DECODE_PROGRAMS_PER_SM = 2  # programs counted per SM when sizing the grid ("slo
 DECODE_NO_SPLIT_FILL = 0.8  # one program per (batch, kv head) filling 80% of the slots is enough
 DECODE_ROUNDS = 2  # otherwise fill every slot this many times over
 DECODE_MIN_BLOCKS_PER_SPLIT = 8  # >= 8 key tiles per split (see decode_num_splits)
+DECODE_FUSED_MAX_SPLITS = 8  # the split kernel merges up to this many splits itself (decode_fuse_combine)
+DECODE_MERGE_UNROLL = 4  # splits whose partial tiles the fused merge loads at once
 NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same split choices
 
 
@@ -166,14 +168,16 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     tile of K and V is 32 KB (64 keys x 128 dims x 2 B x 2 at d=128 fp16; the key count scales so
     every head dim keeps 32 KB), 4 warps, 2 stages: one buffer per program, so more programs fit
     on an SM than with 3 stages (2 cp.async buffers).
-    A page smaller than the tile makes the key addresses a gather through the block table: half
-    the keys per tile and 3 stages (the page-index load takes a stage of its own).
+    A page smaller than the tile makes the key addresses a gather through the block table (a page
+    index per key); the tiles stay the same.
 
     Measured (H100, fp16, 16 q / 2 kv heads, d=128, device time from CUDA graphs over rotating
     buffers, `python -m flashtile.bench.decode --sweep`): the 67 MB caches take 27.5-30.7 us with
     64 keys x 2 stages against 29.3-33.2 us with the earlier 3 stages; Llama-3-8B's 2.1 GB cache
-    704 us against 769 us. Page 16 with 32 keys x 3 stages: 29.0-33.1 us on the 67 MB caches,
-    726 us at 2.1 GB; 64-key tiles were 1-5% slower there. 128-key tiles were within 1-8%.
+    704 us against 769 us. 128-key tiles were within 1-8%. Page 16: 64 keys x 2 stages take
+    30.6 us at 128 x 512 against 34.1 us with the earlier 32 keys x 3 stages (sweep_page16.json);
+    in decode.json of the same tiles 30.0-35.7 us on the 67 MB caches (32.6-33.7 with 32 x 3),
+    1.09-1.12x contiguous where 32 x 3 ranged 1.02-1.21x, and 720 us at 2.1 GB (726).
     """
     block_m = min(max(16, next_pow2(rows)), 64)
     if device.type != "cuda":
@@ -186,10 +190,7 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
         block_n = max(16, min(128, 16 * 1024 // (2 * bd * 4) * 16 // block_m))
         gather = page_size > 0 and page_size % block_n != 0
         return BlockConfig(block_m, block_n, 8 if block_m > 16 else 4, 5 if gather else 3)
-    block_n = max(16, min(128, 32 * 1024 // (2 * bd * 2)))
-    if page_size > 0 and page_size % block_n != 0:
-        return BlockConfig(block_m, max(16, block_n // 2), 4, 3)
-    return BlockConfig(block_m, block_n, 4, 2)
+    return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 2)
 
 
 def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:
@@ -220,6 +221,18 @@ def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) 
     by_fill = (DECODE_ROUNDS * slots) // max(programs, 1)
     by_keys = cdiv(max(max_keys, 1), DECODE_MIN_BLOCKS_PER_SPLIT * block_n)
     return max(1, min(by_fill, by_keys))
+
+
+def decode_fuse_combine(num_splits: int) -> bool:
+    """Whether the split kernel merges the splits itself (its last program per row, counted by an
+    arrival counter) instead of a separate combine kernel. The merging program reads every split's
+    partial tile in turn, so the fused merge costs ~num_splits L2 round trips in one program, where
+    the combine kernel spreads one row's splits over many programs in one round trip; one launch
+    less pays for few splits only. Measured (H100, device time, CUDA graphs, fp16 16 q / 2 kv
+    heads, d=128; sweep_combine.json), fused against the combine kernel: 2 splits 32.2 / 35.5 us
+    (256 x 256) and 29.9 / 32.3 (128 x 512), 8 splits 30.0 / 30.9 (16 x 4096), 16 splits 32.4 /
+    31.7 and 31.1 / 31.1, 32 splits 34.8 / 31.5, 128 splits 47.2 / 31.4 (1 x 65536)."""
+    return num_splits <= DECODE_FUSED_MAX_SPLITS
 
 
 class CombineConfig(NamedTuple):

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._launch import Prepared, cdiv, next_pow2
+from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
 from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, kernel_scale, scores_log2,
                                    visible)
 
@@ -125,12 +125,13 @@ def _append_kernel(
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, Out, Lse, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
+    Q, K, V, Out, Lse, OutF, LseF, Arrivals, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_os, stride_ob, stride_om, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
     stride_sl, stride_bi, stride_lp, stride_tb, stride_tp, stride_slope_b, stride_slope_h,
     stride_cr, stride_cc, stride_sr, stride_sc,
     seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
@@ -140,7 +141,7 @@ def _split_kernel(
     HAS_SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     """Attention of one (batch, kv head, M block) over one split of its keys.
 
@@ -148,6 +149,9 @@ def _split_kernel(
     kv_head * GROUP + r % GROUP. Out/Lse are the partials (num_splits, b, sq, h, d) fp32 and
     (num_splits, b, h, sq), or with one split the final (b, sq, h, d) and (b, h, sq) (stride_os =
     stride_ls = 0): both get the normalised output and the natural-log LSE, -inf for empty rows.
+    With FUSED_COMBINE the last program of a (batch, kv head, M block) to finish its split merges
+    every split's partial into OutF (b, sq, h, d) and LseF (b, h, sq) (_merge_splits): Arrivals
+    holds one zeroed int32 counter per (batch, kv head, M block), and is left zeroed.
 
     The API checks the index values whenever it can read them; under CUDA-graph capture it cannot,
     so every index is clamped into the tensors it addresses: cache_seqlens to [0, capacity],
@@ -273,11 +277,58 @@ def _split_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    Out = Out + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
-    tl.store(Out + (i * stride_om + head * stride_oh)[:, None] + offs_d[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=row_mask)
-    Lse = Lse + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
-    tl.store(Lse + head * stride_lh + i * stride_lm, lse, mask=row_ok)
+    # this tile's rows in split 0's partials (or in the outputs, with one split)
+    out_tile = Out + b.to(tl.int64) * stride_ob + (i * stride_om + head * stride_oh)[:, None] + offs_d[None, :] * stride_od
+    lse_tile = Lse + b.to(tl.int64) * stride_lb + head * stride_lh + i * stride_lm
+    tl.store(out_tile + split.to(tl.int64) * stride_os, out.to(Out.dtype.element_ty), mask=row_mask)
+    tl.store(lse_tile + split.to(tl.int64) * stride_ls, lse, mask=row_ok)
+
+    if FUSED_COMBINE:
+        # Arrival counting (a split-K semaphore): every thread's partial stores are issued before
+        # the barrier, and the counter's add releases them at GPU scope; the program that sees
+        # num_splits - 1 arrivals before its own acquires every other program's partials.
+        tl.debug_barrier()
+        arrivals = Arrivals + b * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(arrivals, 0)  # zero again for the next launch
+            out, lse = _merge_splits(out_tile, lse_tile, stride_os, stride_ls, num_splits, row_ok, row_mask,
+                                     BLOCK_M, BLOCK_D, MERGE_UNROLL)
+            OutF = OutF + b.to(tl.int64) * stride_fb
+            tl.store(OutF + (i * stride_fm + head * stride_fh)[:, None] + offs_d[None, :] * stride_fd,
+                     out.to(OutF.dtype.element_ty), mask=row_mask)
+            tl.store(LseF + b.to(tl.int64) * stride_gb + head * stride_gh + i * stride_gm, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+    """(out (BLOCK_M, BLOCK_D), lse (BLOCK_M,)) of split 0's partial tile at OutP / LseP merged with
+    the num_splits - 1 after it (strides stride_s / stride_ls): the combine's online merge on one
+    program's tile of rows. UNROLL splits per step, so their loads are in flight together. The
+    partials were written by other programs of this launch: loads bypass L1 (.cg), which is not
+    coherent across SMs."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, UNROLL):
+        for t in tl.static_range(UNROLL):
+            s = s0 + t
+            lse = tl.load(LseP + s.to(tl.int64) * stride_ls, mask=row_ok & (s < num_splits), other=float("-inf"),
+                          cache_modifier=".cg")
+            live = lse > float("-inf")
+            # an empty split's output is never read: it may be anything, NaN included
+            o = tl.load(OutP + s.to(tl.int64) * stride_s, mask=row_mask & live[:, None], other=0.0,
+                        cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.exp2((lse - m_sub) * LOG2E)
+            alpha = tl.exp2((m - m_sub) * LOG2E)
+            acc = acc * alpha[:, None] + w[:, None] * o
+            l = l * alpha + w
+            m = m_new
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    return acc / l_safe[:, None], tl.where(empty, float("-inf"), m + tl.log(l_safe))
 
 
 @triton.jit
@@ -381,9 +432,11 @@ class DecodeLaunch(NamedTuple):
     num_splits: int
     append: Optional[Prepared]  # called with (k, v, k_cache, v_cache) and their strides; None: no new keys
     split: Optional[Prepared]  # called with (q, k_cache, v_cache, out, lse) and the first three's strides
-    combine: Optional[Prepared]  # None with one split: the split kernel writes out and lse
+    combine: Optional[Prepared]  # None with one split, or with the combine fused into the split kernel
+    fused: bool  # the split kernel's last program per row merges the splits (arrival counters)
     partials: Optional[tuple]  # the plan's own (out_partial, lse_partial), or None: one per call
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
+    arrivals: dict  # fused: CUDA stream -> that stream's zeroed int32 counters, one per split row
 
 
 def _seqlens_args(cache_seqlens):
@@ -450,6 +503,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     lse_offset = cdiv(o_numel, 4) * 4
     sizes = (lse_offset + num_splits * b * h * sq, lse_offset)
     partials = combine = None
+    fused = num_splits > 1 and configs.decode_fuse_combine(num_splits)
     if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
         o_strides, l_strides = (0, *out_strides), (0, *lse_strides)
     else:
@@ -462,29 +516,43 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
         # strides are given in (b, sq, h) order
         (ps, pb, pm, ph, pd), (qs, qb, qh, qm) = o_strides, l_strides
         (ob, om, oh, od), (lb, lh, lm) = out_strides, lse_strides
-        combine = prepare_combine(num_splits, d, (b, sq, h), (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od,
-                                                               lb, lm, lh))
+        if not fused:
+            combine = prepare_combine(num_splits, d, (b, sq, h), (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od,
+                                                                   lb, lm, lh))
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     split = None
     if b > 0:
         split = Prepared(
             _split_kernel, (num_splits, hk * m_blocks, b),
             (seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin),
-            (*o_strides, *l_strides, _stride0(seqlens), _stride0(cache_batch_idx), _stride0(cache_leftpad),
+            (*o_strides, *l_strides, *out_strides, *lse_strides, _stride0(seqlens), _stride0(cache_batch_idx), _stride0(cache_leftpad),
              *table_strides, *alibi_strides(alibi_slopes), *rotary_strides,
              seqlen_const, sq, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
              max(left, 0), max(right, 0), qk_scale, softcap),
             cfg.num_warps, cfg.num_stages, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
-            HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, **flags)
-    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, partials, sizes)
+            HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
+            MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, **flags)
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, partials, sizes, {})
 
 
 def append_kv(p: DecodeLaunch, k, v, k_cache, v_cache) -> None:
     """Write k/v (b, seqlen_new, hk, d) into the cache at cache_seqlens[b] (in place; k rotated)."""
     if p.append is not None:
         p.append((k, v, k_cache, v_cache), (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()))
+
+
+def _arrivals(p: DecodeLaunch, device) -> torch.Tensor:
+    """The fused merge's arrival counters for the current stream: zeroed once, when a stream first
+    runs the plan, and left zeroed by every launch, so launches on one stream may share them and
+    launches on different streams never do."""
+    stream = current_stream(device.index) if device.type == "cuda" else None
+    counters = p.arrivals.get(stream)
+    if counters is None:
+        counters = torch.zeros(p.out_shape[0] * p.split.grid[1], dtype=torch.int32, device=device)
+        p.arrivals[stream] = counters
+    return counters
 
 
 def decode_attention(p: DecodeLaunch, q, k_cache, v_cache):
@@ -495,14 +563,15 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache):
     lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
     if p.split is None:
         return out, lse
-    if p.combine is None:
+    if p.num_splits == 1:
         o_buf, l_buf = out, lse
     elif p.partials is not None:
         o_buf, l_buf = p.partials
     else:
         o_buf = torch.empty(p.partial_sizes[0], dtype=torch.float32, device=device)
         l_buf = o_buf[p.partial_sizes[1]:]
-    p.split((q, k_cache, v_cache, o_buf, l_buf), (*q.stride(), *k_cache.stride(), *v_cache.stride()))
+    finals = (out, lse, _arrivals(p, device)) if p.fused else (None, None, None)
+    p.split((q, k_cache, v_cache, o_buf, l_buf, *finals), (*q.stride(), *k_cache.stride(), *v_cache.stride()))
     if p.combine is not None:
         p.combine((o_buf, l_buf, out, lse), ())
     return out, lse
