@@ -1,0 +1,281 @@
+"""flashtile as an attention implementation of Hugging Face transformers.
+
+    from flashtile.integrations.transformers import register
+    register()                                           # once per process; idempotent
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flashtile")
+    model.set_attn_implementation("flashtile")           # or switch a model already loaded
+
+transformers calls `attention_forward` in every attention layer with query (batch, heads, seqlen_q,
+d) and key, value (batch, kv_heads, seqlen_k, d), the keys after the cache update, and takes back
+(batch, seqlen_q, heads, d). What describes the batch decides which flashtile function runs:
+
+- A 2-D padding mask (batch, seqlen_k), 1 = token: the only mask this implementation is given
+  (`padding_mask`, registered as its mask function, never builds a dense one). Each row's keys are
+  packed with flashtile.padding and run by flash_attn_varlen_func. Causal queries are the last
+  seqlen_q positions of that mask, so they are packed by it too; a decoding step (seqlen_q = 1)
+  and non-causal attention run every query row (cross-attention's mask covers only the keys).
+- Packed sequences, rows that hold several sequences end to end (DataCollatorWithFlattening): the
+  keyword arguments cu_seq_lens_q and cu_seq_lens_k, or position_ids that restart. A sequence
+  starts wherever a position does not follow the one before it by 1, the rule transformers' eager
+  and sdpa masks use (its flash_attention_2 looks for the smallest position instead; the two agree
+  when every sequence counts from 0).
+- Otherwise flash_attn_func on the tensors as they are (their BHSD storage is read in place).
+
+Masks are aligned to the bottom-right corner (flash-attn's rule): queries at the end of a cache see
+every key before them, so prefill, decoding and chunked prefill need nothing more. GQA/MQA run
+without repeating key/value heads. The module's options are read as transformers' eager attention
+reads them:
+
+- causal: the `is_causal` argument when the model passes one, else module.is_causal.
+- scaling -> softmax_scale (None: headdim ** -0.5); softcap (Gemma-2's attn_logit_softcapping).
+- dropout: applied only while module.training, as eager does.
+- under torch.autocast, query, key and value run in autocast's dtype, as SDPA does there (a model
+  under autocast hands over q and k in float32 after RoPE, v in bfloat16).
+- sliding_window w: a query sees the keys fewer than w positions before it (and after it, without
+  causal), which is window_size = (w - 1, 0), or (w - 1, w - 1) without causal. Every transformers
+  model aligns its eager mask to this (Mistral, Gemma-2: kv > q - w; ModernBERT passes w = its
+  half-window + 1), and so does its flash_attention_2.
+
+Raised, never dropped: a mask that is not a 2-D padding mask (a 4-D mask given to the model, which
+transformers passes through unchanged: use attn_implementation="sdpa" for it), output_attentions=True
+(flashtile never materialises the attention weights; the second return value is always None),
+attention sinks (s_aux) and additive position biases. What this implementation cannot see, like
+transformers' own flash implementations: extra mask patterns a model builds with its own mask
+functions (the bidirectional image-token blocks of PaliGemma and Gemma-3 with images, for one); the
+pattern here is causal or not, the sliding window and the padding.
+
+transformers >= 5 takes every implementation whose name contains "flash" for a flash-attn library
+and preloads its functions when a model is made (modeling_flash_attention_utils.
+lazy_import_flash_attention); for a name it does not know it asks the Hub-kernel loader, which
+finds nothing for "flashtile" (not a repository id, so no download either) and the model fails to
+build. register() therefore has that loader answer "flashtile" with the flashtile package, whose
+flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache take flash-attn 2.x's
+arguments, which is what transformers expects of such a module; every other name goes on to
+transformers' loader unchanged.
+
+This module imports transformers only inside register() and imports no triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from packaging.version import Version
+
+from flashtile.api import flash_attn_func, flash_attn_varlen_func
+from flashtile.padding import pad_input, unpad_input
+
+NAME = "flashtile"
+# The first release with masking_utils.AttentionMaskInterface, which lets an attention
+# implementation choose its mask (older ones build a dense 4-D mask for any name not flash_attention_2)
+MIN_TRANSFORMERS = "4.53"
+
+
+def register() -> None:
+    """Make attn_implementation="flashtile" available to every transformers model in this process.
+
+    Registers `attention_forward` with AttentionInterface and `padding_mask` with
+    AttentionMaskInterface under "flashtile". Calling it again changes nothing. Raises ImportError
+    when transformers is missing or older than MIN_TRANSFORMERS.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError('flashtile.integrations.transformers needs transformers: pip install "flashtile[hf]"') from e
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"flashtile.integrations.transformers needs transformers >= {MIN_TRANSFORMERS} "
+                          f"(AttentionMaskInterface), found {transformers.__version__}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, padding_mask)
+    _teach_flash_preload()
+
+
+def _teach_flash_preload() -> None:
+    """Let transformers' preload of flash-attn functions (>= 5, see the module docstring) find
+    flashtile's under NAME. Names it does not know it hands to integrations.hub_kernels.
+    load_and_register_attn_kernel, which returns a module holding flash_attn_func,
+    flash_attn_varlen_func (and, in later releases, flash_attn_with_kvcache): for NAME that module is
+    flashtile itself, and transformers builds what it needs from it the way its release does. Every
+    other name goes on to transformers' own function. Once per process."""
+    try:
+        from transformers.integrations import hub_kernels
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:  # transformers 4.x preloads only the flash_attention_N names
+        return
+    loader = getattr(hub_kernels, "load_and_register_attn_kernel", None)
+    if loader is None or getattr(loader, "_flashtile", False) or \
+            not is_flash_attention_requested(requested_attention_implementation=NAME):
+        return
+
+    @functools.wraps(loader)
+    def load_and_register_attn_kernel(attn_implementation, *args, **kwargs):
+        if attn_implementation == NAME:
+            import flashtile
+
+            return flashtile
+        return loader(attn_implementation, *args, **kwargs)
+
+    load_and_register_attn_kernel._flashtile = True
+    hub_kernels.load_and_register_attn_kernel = load_and_register_attn_kernel
+
+
+def padding_mask(*, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs):
+    """The mask function of "flashtile" (AttentionMaskInterface): the 2-D padding mask of the
+    kv_length keys this layer sees, (batch, kv_length) bool, or None when nothing is padded.
+    transformers passes everything by keyword; the other arguments (batch_size, cache_position or
+    q_length and offsets, mask_function, ...) differ between its versions and are not needed.
+
+    attention_mask is the model's (batch, tokens so far) mask; a sliding-window cache holds only its
+    last kv_length keys, so the mask is cut from the right. A static cache holds more keys than there
+    are tokens: the mask is then shorter than the keys and marks the slots in use (attention_forward
+    reads only those). The attention pattern itself (causal, sliding window) comes from the module.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:]
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface, computed by flashtile (see the module docstring).
+
+    Arguments:
+        module: the attention layer (is_causal and training are read from it).
+        query: (batch, heads, seqlen_q, d); key, value: (batch, kv_heads, seqlen_k, d), heads %
+            kv_heads == 0; float16 / bfloat16 / float32. value may have a smaller head dim than
+            query (multi-head latent attention): it is padded with zeros and the output cut back.
+        attention_mask: None, or the 2-D padding mask (batch, n) bool or int, 1 = token, for the
+            first n <= seqlen_k keys (n < seqlen_k: a static cache's unused tail).
+        scaling, dropout, sliding_window, softcap, is_causal: as the module docstring says.
+        kwargs: position_ids (batch or 1, seqlen_q), or cu_seq_lens_q / cu_seq_lens_k (offsets of
+            the packed sequences in the flattened batch * seqlen rows) with optional
+            max_length_q / max_length_k, for packed sequences; the rest of transformers' keyword
+            arguments are not about attention and are not read.
+    Returns:
+        (out, None): out (batch, seqlen_q, heads, dv) in query's dtype; rows of padding queries
+        (causal) are zero.
+    """
+    _reject_unsupported(attention_mask, kwargs)
+    if is_causal is None:
+        if not hasattr(module, "is_causal"):
+            raise ValueError(f"{type(module).__name__} has no is_causal attribute and no is_causal argument "
+                             f"was passed: flashtile needs to know whether the attention is causal")
+        is_causal = module.is_causal
+    is_causal = bool(is_causal)
+    d, dv = query.shape[-1], value.shape[-1]
+    if dv > d:
+        raise ValueError(f"value's head dim ({dv}) must be at most query's ({d})")
+    if dv < d:  # zero columns of v give zero output columns, cut off below
+        value = torch.nn.functional.pad(value, (0, d - dv))
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: run in autocast's dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d) views
+    options = dict(dropout_p=float(dropout) if module.training else 0.0, softmax_scale=scaling, causal=is_causal,
+                   window_size=_window_size(sliding_window, is_causal), softcap=float(softcap or 0.0))
+    if attention_mask is not None:
+        out = _padded(q, k, v, attention_mask, options)
+    else:
+        packed = _packed_sequences(q, k, kwargs)
+        if packed is None:
+            out = flash_attn_func(q, k, v, **options)
+        else:
+            b, sq, h = q.shape[:3]
+            cu_q, cu_k, max_q, max_k = packed
+            out = flash_attn_varlen_func(q.reshape(-1, h, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                                         cu_q, cu_k, max_q, max_k, **options).view(b, sq, h, d)
+    return out[..., :dv], None
+
+
+def _reject_unsupported(attention_mask, kwargs: dict) -> None:
+    """What this implementation cannot compute raises here, naming the argument."""
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise ValueError(f"attn_implementation={NAME!r} takes a 2-D padding mask (batch, seqlen_k) or None, got an "
+                         f"attention_mask of shape {shape}: a dense (4-D) mask cannot be run without "
+                         f"materialising the scores; use attn_implementation='sdpa' or 'eager' for it")
+    if attention_mask is not None and (kwargs.get("cu_seq_lens_q") is not None or
+                                       kwargs.get("cu_seq_lens_k") is not None):
+        raise ValueError("got both a padding attention_mask and cu_seq_lens_q / cu_seq_lens_k (packed "
+                         "sequences): pass one of them")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"attn_implementation={NAME!r} never materialises the attention weights: "
+                         f"output_attentions=True needs attn_implementation='eager'")
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation={NAME!r} does not support {name} (attention sinks and additive "
+                             f"position biases); use attn_implementation='eager' or 'sdpa'")
+
+
+def _window_size(sliding_window, causal: bool) -> tuple[int, int]:
+    """transformers' sliding_window w -> flash-attn's window_size: keys fewer than w positions away."""
+    if sliding_window is None:
+        return (-1, -1)
+    w = int(sliding_window)
+    if w < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return (w - 1, 0 if causal else w - 1)
+
+
+def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
+    """Attention of a padded batch through flash_attn_varlen_func: q (b, sq, h, d), k, v (b, sk, hk,
+    d), mask (b, n <= sk) -> out (b, sq, h, d)."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    if mask.shape[0] != b or mask.shape[1] > sk:
+        raise ValueError(f"attention_mask must have shape (batch, n) with batch = {b} and n <= seqlen_k = {sk} "
+                         f"(the keys it marks), got {tuple(mask.shape)}")
+    n = mask.shape[1]
+    k_packed, indices_k, cu_k, max_k, _ = unpad_input(k[:, :n], mask)  # (total_k, hk, d)
+    v_packed = v[:, :n].reshape(b * n, *v.shape[2:]).index_select(0, indices_k)
+    if options["causal"] and sq > 1:  # the queries are the last sq tokens of the mask
+        q_packed, indices_q, cu_q, max_q, _ = unpad_input(q, mask[:, -sq:])
+        out = flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k, **options)
+        return pad_input(out, indices_q, b, sq)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)  # every query row
+    out = flash_attn_varlen_func(q.reshape(b * sq, h, d), k_packed, v_packed, cu_q, cu_k, sq, max_k, **options)
+    return out.view(b, sq, h, d)
+
+
+def _packed_sequences(q, k, kwargs: dict):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of the sequences packed in the
+    flattened (batch * seqlen) rows, or None when each row is one sequence."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None:
+            raise ValueError("packed sequences need both cu_seq_lens_q and cu_seq_lens_k, got only "
+                             f"{'cu_seq_lens_q' if cu_k is None else 'cu_seq_lens_k'}")
+        cu_q, cu_k = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+        return cu_q, cu_k, max_q, max_k
+    position_ids = kwargs.get("position_ids")
+    b, sq = q.shape[:2]
+    if position_ids is None or sq < 2:
+        return None
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, b) or position_ids.shape[1] != sq:
+        raise ValueError(f"position_ids must have shape ({b}, {sq}) or (1, {sq}) (batch, seqlen_q), got "
+                         f"{tuple(position_ids.shape)}")
+    position_ids = position_ids.to(q.device).expand(b, sq)
+    starts = torch.ones((b, sq), dtype=torch.bool, device=q.device)  # where a sequence starts
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if int(starts.sum()) == b:
+        return None
+    if k.shape[1] != sq:
+        raise ValueError(f"position_ids restart inside a row (packed sequences), but the keys ({k.shape[1]}) are "
+                         f"more than the queries ({sq}): packed sequences cannot continue a cache")
+    first = torch.nonzero(starts.flatten()).flatten().to(torch.int32)
+    cu = torch.cat((first, first.new_full((1,), b * sq)))
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return cu, cu, max_len, max_len

@@ -1,0 +1,404 @@
+"""attn_implementation="flashtile" in Hugging Face transformers: tiny models built from configs
+(nothing downloaded), fp32 on the CPU, against transformers' own eager attention.
+
+Logits are compared on the real (non-padding) tokens only; greedy generation token for token;
+training by loss and every parameter's gradient. The models run flashtile's reference path (the
+session sets TRITON_INTERPRET=1, so it is forced) except in the one `interpret` test, which runs
+the Triton kernels under the interpreter.
+"""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashtile  # noqa: E402
+from flashtile.integrations import transformers as hf  # noqa: E402
+
+hf.register()
+
+RTOL, ATOL = 1e-4, 1e-5
+VOCAB = 128
+# Weights larger than transformers' default (0.02) so that attention is far from uniform and
+# every mask difference (a window one key too wide, a padding key seen) moves the logits.
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, initializer_range=0.2, attention_dropout=0.0)
+
+
+def _config(name: str):
+    if name == "llama":
+        return transformers.LlamaConfig(**COMMON)
+    if name == "mistral":  # every layer slides, over fewer keys than the prompts hold
+        return transformers.MistralConfig(**COMMON, sliding_window=4)
+    if name == "gemma2":  # sliding and full layers alternate; scores capped by tanh
+        return transformers.Gemma2Config(**COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=30.0)
+    raise ValueError(name)
+
+
+MODELS = ["llama", "mistral", "gemma2"]
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend():
+    """The plain-PyTorch path (the session's TRITON_INTERPRET=1 would otherwise pick the interpreter)."""
+    with flashtile.use_backend("reference"):
+        yield
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection (a Hub lookup, a kernel download) fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def _model(name: str, attn: str = "flashtile"):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(_config(name), attn_implementation=attn).eval()
+
+
+def _padded_batch(side: str, lengths=(11, 6, 9)):
+    """input_ids and attention_mask (batch, max(lengths)) padded on the given side."""
+    n = max(lengths)
+    ids = torch.randint(0, VOCAB, (len(lengths), n))
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for i, m in enumerate(lengths):
+        if side == "right":
+            mask[i, :m] = 1
+        else:
+            mask[i, n - m:] = 1
+    return ids, mask
+
+
+def _switch(model, attn: str):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(attn)
+    else:  # transformers 4.53 switches through the config
+        model.config._attn_implementation = attn
+
+
+def _logits(model, attn: str, **inputs):
+    _switch(model, attn)
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+# --------------------------------------------------------------------------------------------
+# registration
+# --------------------------------------------------------------------------------------------
+
+def test_import_needs_neither_transformers_nor_triton():
+    """Importing the module imports neither; register() imports transformers (which itself may load
+    triton through torch) but none of flashtile's kernels."""
+    code = ("import sys, flashtile, flashtile.integrations.transformers as hf\n"
+            "assert 'transformers' not in sys.modules and 'triton' not in sys.modules, 'imported too early'\n"
+            "hf.register(); hf.register()\n"
+            "from transformers import AttentionInterface\n"
+            "from transformers.masking_utils import AttentionMaskInterface\n"
+            "assert AttentionInterface._global_mapping['flashtile'] is hf.attention_forward\n"
+            "assert AttentionMaskInterface._global_mapping['flashtile'] is hf.padding_mask\n"
+            "assert 'flashtile.ops' not in sys.modules, 'register imported the kernels'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_register_is_idempotent():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    hf.register()
+    hf.register()
+    assert AttentionInterface._global_mapping[hf.NAME] is hf.attention_forward
+    assert AttentionMaskInterface._global_mapping[hf.NAME] is hf.padding_mask
+    try:
+        from transformers.integrations.hub_kernels import load_and_register_attn_kernel as loader
+    except ImportError:
+        loader = None
+    if getattr(loader, "_flashtile", False):  # wrapped once, not once per call
+        assert not getattr(loader.__wrapped__, "_flashtile", False)
+
+
+def test_register_refuses_old_transformers(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "4.52.0")
+    with pytest.raises(ImportError, match=r"transformers >= 4\.53.*found 4\.52\.0"):
+        hf.register()
+
+
+def test_from_config_from_pretrained_and_set_attn_implementation(tmp_path, no_network):
+    model = _model("llama")
+    assert model.config._attn_implementation == "flashtile"
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flashtile").eval()
+    assert loaded.config._attn_implementation == "flashtile"
+    ids, mask = _padded_batch("left")
+    want = _logits(loaded, "eager", input_ids=ids, attention_mask=mask)
+    assert loaded.config._attn_implementation == "eager"
+    got = _logits(loaded, "flashtile", input_ids=ids, attention_mask=mask)
+    assert loaded.config._attn_implementation == "flashtile"
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=RTOL, atol=ATOL)
+
+
+def test_padding_mask_is_2d_or_none():
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(hf.padding_mask(kv_length=4, attention_mask=mask), mask)
+    assert hf.padding_mask(kv_length=3, attention_mask=mask) is None            # a window past the padding
+    assert torch.equal(hf.padding_mask(kv_length=6, attention_mask=mask), mask)  # a static cache's 6 slots
+    assert hf.padding_mask(kv_length=4, attention_mask=None) is None
+
+
+# --------------------------------------------------------------------------------------------
+# logits against eager
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", MODELS)
+def test_padded_batch_logits(name, side):
+    model = _model(name)
+    ids, mask = _padded_batch(side)
+    got = _logits(model, "flashtile", input_ids=ids, attention_mask=mask)
+    want = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_unpadded_batch_logits(name):
+    model = _model(name)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    torch.testing.assert_close(_logits(model, "flashtile", input_ids=ids), _logits(model, "eager", input_ids=ids),
+                               rtol=RTOL, atol=ATOL)
+
+
+def _packed(lengths, flash_kwargs: bool):
+    """One row holding sequences of the given lengths, as DataCollatorWithFlattening makes it."""
+    features = [{"input_ids": torch.randint(0, VOCAB, (n,)).tolist()} for n in lengths]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collator(features, return_tensors="pt")
+    batch.pop("labels")
+    return features, dict(batch)
+
+
+# the keyword path (cu_seq_lens_q / _k) does not depend on the model: one model covers it
+@pytest.mark.parametrize("name, flash_kwargs", [*((name, False) for name in MODELS), ("llama", True)],
+                         ids=[*(f"{name}-position_ids" for name in MODELS), "llama-cu_seq_lens"])
+def test_packed_sequences_logits(name, flash_kwargs):
+    model = _model(name)
+    features, batch = _packed((5, 9, 4), flash_kwargs)
+    got = _logits(model, "flashtile", use_cache=False, **batch)[0]
+    _switch(model, "eager")
+    start = 0
+    for f in features:
+        ids = torch.tensor([f["input_ids"]])
+        with torch.no_grad():
+            want = model(input_ids=ids).logits[0]
+        torch.testing.assert_close(got[start:start + len(want)], want, rtol=RTOL, atol=ATOL)
+        start += len(want)
+    assert start == got.shape[0]
+
+
+# --------------------------------------------------------------------------------------------
+# generation over transformers' caches
+# --------------------------------------------------------------------------------------------
+
+def _generate(model, attn: str, **kwargs):
+    _switch(model, attn)
+    out = model.generate(**kwargs, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                         output_logits=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_generate_left_padded(name):
+    model = _model(name)
+    ids, mask = _padded_batch("left", lengths=(7, 3, 5))
+    got, got_logits = _generate(model, "flashtile", input_ids=ids, attention_mask=mask)
+    want, want_logits = _generate(model, "eager", input_ids=ids, attention_mask=mask)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
+
+
+def test_generate_static_cache():
+    """A static cache holds more slots than tokens: the mask marks the ones in use."""
+    model = _model("llama")
+    ids, mask = _padded_batch("left", lengths=(6, 4))
+    got, got_logits = _generate(model, "flashtile", input_ids=ids, attention_mask=mask, cache_implementation="static")
+    want, want_logits = _generate(model, "eager", input_ids=ids, attention_mask=mask, cache_implementation="static")
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------
+
+def _loss_and_grads(model, attn: str, ids, mask):
+    _switch(model, attn)
+    model.zero_grad()
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_training_step(name):
+    model = _model(name).train()
+    ids, mask = _padded_batch("right")
+    loss, grads = _loss_and_grads(model, "flashtile", ids, mask)
+    want_loss, want_grads = _loss_and_grads(model, "eager", ids, mask)
+    torch.testing.assert_close(loss, want_loss, rtol=RTOL, atol=ATOL)
+    assert grads.keys() == want_grads.keys() and len(grads) == len(list(model.parameters()))
+    for n in grads:
+        torch.testing.assert_close(grads[n], want_grads[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
+
+
+def test_training_step_under_autocast():
+    """Under autocast a model hands over q, k in float32 (after RoPE) and v in bfloat16: all run
+    in bfloat16, as SDPA does."""
+    model = _model("llama").train()
+    ids = torch.randint(0, VOCAB, (2, 10))
+    losses = {}
+    for attn in ("flashtile", "sdpa"):
+        _switch(model, attn)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[attn] = model(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(losses["flashtile"], losses["sdpa"], rtol=1e-2, atol=0)
+    losses["flashtile"].backward()
+    assert all(p.grad.isfinite().all() for p in model.parameters())
+
+
+def test_dropout_only_in_training():
+    config = _config("llama")
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flashtile")
+    ids, mask = _padded_batch("left")
+    keep = mask.bool()
+    model.eval()
+    torch.testing.assert_close(_logits(model, "flashtile", input_ids=ids, attention_mask=mask)[keep],
+                               _logits(model, "eager", input_ids=ids, attention_mask=mask)[keep], rtol=RTOL, atol=ATOL)
+    model.train()
+    _switch(model, "flashtile")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        runs.append(model(input_ids=ids, attention_mask=mask).logits.detach())
+    assert torch.equal(runs[0], runs[1])  # torch's generator seeds the mask
+    model.eval()
+    assert (runs[0] - _logits(model, "flashtile", input_ids=ids, attention_mask=mask)).abs().max() > 0.1
+
+
+# --------------------------------------------------------------------------------------------
+# what is refused
+# --------------------------------------------------------------------------------------------
+
+def test_dense_mask_is_refused():
+    model = _model("llama")
+    ids = torch.randint(0, VOCAB, (2, 6))
+    dense = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 1, 6, 6\).*sdpa"):
+        model(input_ids=ids, attention_mask=dense)
+
+
+def test_output_attentions_is_refused():
+    model = _model("llama")
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 5)), output_attentions=True)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, is_causal: bool):
+        super().__init__()
+        self.is_causal = is_causal
+
+
+def _dense(q, k, v, allowed, scale):
+    """Plain attention in float64: q (b, h, sq, d), k, v (b, hk, sk, dv), allowed (b, sq, sk) bool."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1).double() for t in (k, v))
+    s = (q.double() @ k.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~allowed[:, None], float("-inf")), -1)
+    return (p @ v).transpose(1, 2).float()  # (b, sq, h, dv)
+
+
+def test_unsupported_arguments_are_refused():
+    q = torch.randn(1, 4, 3, 16)
+    k = v = torch.randn(1, 2, 3, 16)
+    module = _Attention(True)
+    for name in ("s_aux", "position_bias"):
+        with pytest.raises(ValueError, match=name):
+            hf.attention_forward(module, q, k, v, None, **{name: torch.zeros(4)})
+    with pytest.raises(ValueError, match="is_causal"):
+        hf.attention_forward(torch.nn.Linear(1, 1), q, k, v, None)
+    with pytest.raises(ValueError, match="sliding_window"):
+        hf.attention_forward(module, q, k, v, None, sliding_window=0)
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        cu = torch.tensor([0, 3], dtype=torch.int32)
+        hf.attention_forward(module, q, k, v, torch.ones(1, 3, dtype=torch.bool), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        hf.attention_forward(module, q, k, v, torch.ones(1, 5, dtype=torch.bool))
+
+
+def test_dropout_needs_training_mode():
+    """Models pass dropout=0 outside training themselves; a dropout given anyway is not applied."""
+    q, k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    module = _Attention(True).eval()
+    out, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5)
+    torch.testing.assert_close(out, hf.attention_forward(module, q, k, v, None)[0], rtol=0, atol=0)
+    module.train()
+    assert (hf.attention_forward(module, q, k, v, None, dropout=0.5)[0] - out).abs().max() > 0.1
+
+
+def test_cross_attention_with_key_padding():
+    """Not causal, seqlen_q != seqlen_k, a mask over the keys only: every query row runs."""
+    b, h, hk, sq, sk, d = 3, 4, 2, 5, 7, 16
+    q, k, v = torch.randn(b, h, sq, d), torch.randn(b, hk, sk, d), torch.randn(b, hk, sk, d)
+    mask = torch.rand(b, sk) > 0.3
+    mask[:, 0] = True
+    out, weights = hf.attention_forward(_Attention(False), q, k, v, mask, scaling=0.3)
+    assert weights is None and out.shape == (b, sq, h, d)
+    torch.testing.assert_close(out, _dense(q, k, v, mask[:, None, :].expand(b, sq, sk), 0.3), rtol=RTOL, atol=ATOL)
+
+
+def test_bidirectional_sliding_window_and_smaller_value_dim():
+    """Not causal with sliding_window w: keys fewer than w positions away on both sides; a value
+    head dim below the query's (multi-head latent attention) is padded and cut back."""
+    b, h, s, d, dv, w = 2, 2, 9, 16, 8, 3
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, dv)
+    out, _ = hf.attention_forward(_Attention(False), q, k, v, None, sliding_window=w)
+    i = torch.arange(s)
+    allowed = ((i[:, None] - i[None, :]).abs() < w).expand(b, s, s)
+    torch.testing.assert_close(out, _dense(q, k, v, allowed, d ** -0.5), rtol=RTOL, atol=ATOL)
+
+
+def test_decode_step_with_padded_cache():
+    """seqlen_q = 1 over a left-padded cache with a sliding window: the last w real keys."""
+    b, h, hk, sk, d = 2, 4, 1, 6, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, hk, sk, d), torch.randn(b, hk, sk, d)
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    out, _ = hf.attention_forward(_Attention(True), q, k, v, mask, sliding_window=3)
+    allowed = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    torch.testing.assert_close(out, _dense(q, k, v, allowed[:, None, :], d ** -0.5), rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# the Triton kernels, under the interpreter
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.interpret
+def test_padded_batch_logits_triton():
+    model = _model("gemma2")
+    ids, mask = _padded_batch("left", lengths=(7, 4))
+    with flashtile.use_backend("triton"):
+        got = _logits(model, "flashtile", input_ids=ids, attention_mask=mask)
+    want = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=RTOL, atol=ATOL)
