@@ -100,3 +100,19 @@ def test_demo_end_to_end():
         assert "Triton interpreter (TRITON_INTERPRET=1" in out  # the demo switched it on itself
         assert "not run: torch SDPA (prefill): needs a CUDA GPU" in out
     assert "all checks passed" in out
+
+
+def test_demo_model_end_to_end():
+    """`flashtile demo --model`: the GPT's three attention paths, logits against eager, a training
+    step, generation with every cache; on a CPU in seconds (flashtile's reference path)."""
+    result = _run_cli("demo", "--model", "--repeats", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    table = out.split("max |dlogit|")[1]
+    for name in ("eager", "sdpa", "flashtile", "KVCache", "PagedKVCache"):
+        assert name in table
+    assert "max |dlogit|" in out and "gen tok/s" in out
+    if torch.cuda.is_available():
+        assert "KVCache + CUDA graph" in table
+    else:
+        assert "its PyTorch reference path (no GPU)" in out and "all paths agree" in out

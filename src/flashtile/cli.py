@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="input dtypes (default: %(default)s)")
     demo_cmd.add_argument("--repeats", type=_positive_int, default=demo.REPEATS,
                           help="timed runs per entry, the median is shown (default: %(default)s)")
+    demo_cmd.add_argument("--model", action="store_true",
+                          help="instead: a small GPT (flashtile.models) with each attention path - logits against "
+                               "eager, a training step, generation - tiny on a CPU, GPT-2 small sized on a GPU")
 
     analyze = sub.add_parser("analyze", help="FLOPs, HBM bytes, arithmetic intensity and roofline time of "
                                              "standard attention, FA1, FA2 and Flash-Decoding")
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from flashtile import demo
 
+        if args.model:
+            return demo.run_model(repeats=args.repeats)
         return demo.run(seqlens=args.seqlens, dtypes=args.dtypes, repeats=args.repeats)
     if args.command == "analyze":
         return _analyze(args, parser)

@@ -245,3 +245,139 @@ def run(seqlens=SEQLENS, dtypes=DTYPES_RUN, repeats=REPEATS, file=None) -> int:
         print(f"FAIL {f}", file=file)
     print("all checks passed" if not failures else f"{len(failures)} check(s) failed", file=file)
     return 1 if failures else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `flashtile demo --model`: the attention paths inside a whole model
+# ---------------------------------------------------------------------------------------------
+
+MODEL_ATTN = ("eager", "sdpa", "flashtile")  # eager first: the reference of the logit differences
+MODEL_SIZES = {  # (GPTConfig fields, training batch x seqlen, generation batch, prompt, new tokens)
+    "cpu": (dict(n_layer=4, n_embd=128, n_head=4, n_kv_head=2, block_size=256), (8, 128), (4, 32, 64)),
+    "cuda": (dict(n_layer=12, n_embd=768, n_head=12, n_kv_head=4, block_size=2048), (8, 1024), (8, 512, 256)),
+}
+MODEL_ATOL = 1e-4  # float32 logits of the three paths (the CPU run); bf16 on a GPU is reported only
+
+
+@dataclass
+class ModelRow:
+    attn: str
+    cache: str
+    logit_diff: float
+    train_ms: float | None  # on the first row of each attention path only
+    train_mb: float | None  # peak CUDA memory of the training step
+    tokens_per_s: float
+    gen_mb: float | None  # peak CUDA memory of the generation
+    agree: int  # leading greedy tokens equal to eager's
+
+
+def _timed(fn, cuda: bool):
+    """(fn(), seconds, peak CUDA MB or None)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() / 1e6 if cuda else None
+
+
+def _model_rows(model, x, y, prompt, new_tokens, repeats, cuda) -> list[ModelRow]:
+    """For each attention path of MODEL_ATTN, on the same weights: the logits of x, the median time
+    of a training step on (x, y) (a copy of the model), and greedy generation from prompt with each
+    cache it has."""
+    import copy
+
+    from flashtile.bench.e2e import median_ms
+
+    rows, ref_logits, ref_tokens = [], None, None
+    for attn in MODEL_ATTN:
+        model.attn = attn
+        model.eval()
+        with torch.no_grad():
+            logits = model(x)[0].float()
+        if ref_logits is None:
+            ref_logits = logits
+        trainee = copy.deepcopy(model).train()
+        opt = torch.optim.AdamW(trainee.parameters(), lr=1e-4)
+
+        def step():
+            trainee(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        train_ms, _, train_mb = _timed(lambda: median_ms(step, x.device, 1, repeats), cuda)
+        del trainee, opt
+        caches = {"tensor": {}} if attn != "flashtile" else {"KVCache": {}, "PagedKVCache": {"paged": True}}
+        if attn == "flashtile" and cuda:
+            caches["KVCache + CUDA graph"] = {"use_cuda_graph": True}
+        for i, (name, options) in enumerate(caches.items()):
+            model.generate(prompt, 2, temperature=0, **options)  # compile, warm up
+            tokens, seconds, gen_mb = _timed(lambda: model.generate(prompt, new_tokens, temperature=0, **options), cuda)
+            tokens = tokens[:, prompt.shape[1]:]
+            if ref_tokens is None:
+                ref_tokens = tokens
+            same = (tokens == ref_tokens).all(dim=0).long()  # (new_tokens,): every sequence agrees there
+            rows.append(ModelRow(attn, name, float((logits - ref_logits).abs().max()), train_ms if i == 0 else None,
+                                 train_mb if i == 0 else None, tokens.numel() / seconds, gen_mb,
+                                 int(same.cumprod(0).sum())))
+    return rows
+
+
+def run_model(repeats=REPEATS, file=None) -> int:
+    """Print the model comparison; 0 when (in float32) every path matches eager, else 1."""
+    from flashtile import api
+    from flashtile.models import GPT, GPTConfig, get_batch, load_text
+    from flashtile.models.text import CharTokenizer
+
+    file = file or sys.stdout
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    sizes, (batch, seqlen), (gen_batch, prompt_len, new_tokens) = MODEL_SIZES[device]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    text = load_text()
+    tok = CharTokenizer(text)
+    data = tok.encode(text)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, **sizes)).to(device=device, dtype=dtype)
+    x, y = get_batch(data, batch, seqlen, gen, device)
+    prompt = get_batch(data, gen_batch, prompt_len, gen, device)[0]
+    # on the CPU, flashtile's PyTorch reference path: the Triton interpreter would take minutes
+    backend = api.use_backend("auto" if cuda else "reference")
+    with backend:
+        rows = _model_rows(model, x, y, prompt, new_tokens, repeats, cuda)
+
+    c = model.config
+    where = f"cuda ({torch.cuda.get_device_name()})" if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"flashtile demo --model on {where}, torch {torch.__version__}; flashtile: "
+          f"{'Triton kernels' if cuda else 'its PyTorch reference path (no GPU)'}", file=file)
+    print(f"model:    flashtile.models.GPT, {model.num_params() / 1e6:.2f}M parameters, {c.n_layer} layers, "
+          f"d={c.n_embd}, {c.n_head} query / {c.n_kv_head} kv heads, {str(dtype).removeprefix('torch.')}, "
+          f"random weights, characters of the sonnets", file=file)
+    print(f"logits:   max |logits - eager's| on a batch of {batch} x {seqlen} (the same weights)", file=file)
+    print(f"train:    one step (forward, backward, AdamW) on {batch} x {seqlen} tokens, median of {repeats}, ms",
+          file=file)
+    print(f"generate: {gen_batch} prompts of {prompt_len} tokens + {new_tokens} greedy tokens, prefill included, "
+          f"tokens/s; agree: leading tokens equal to eager's", file=file)
+    if cuda:
+        print("peak MB:  torch.cuda.max_memory_allocated during the training step / the generation", file=file)
+    header = f"{'attention':<11}{'cache':<22}{'max |dlogit|':>13}{'train ms':>10}{'gen tok/s':>11}{'agree':>9}" \
+             + (f"{'train MB':>10}{'gen MB':>9}" if cuda else "")
+    print(header, file=file)
+    print("-" * len(header), file=file)
+    for r in rows:
+        print(f"{r.attn:<11}{r.cache:<22}{_fmt(r.logit_diff, '13.2e')}{_fmt(r.train_ms, '10.1f')}"
+              f"{_fmt(r.tokens_per_s, '11.0f')}{f'{r.agree}/{new_tokens}':>9}"
+              + (_fmt(r.train_mb, '10.0f') + _fmt(r.gen_mb, '9.0f') if cuda else ""), file=file)
+    if cuda:
+        print("(bfloat16: the paths round differently, so their logits and greedy tokens may part; not checked)",
+              file=file)
+        return 0
+    bad = [r for r in rows if r.logit_diff > MODEL_ATOL or r.agree != new_tokens]
+    for r in bad:
+        print(f"FAIL {r.attn} ({r.cache}): logits differ by {r.logit_diff:.2e} (> {MODEL_ATOL:g}) or greedy "
+              f"tokens part after {r.agree}", file=file)
+    print("all paths agree" if not bad else f"{len(bad)} path(s) disagree", file=file)
+    return 1 if bad else 0
