@@ -226,9 +226,11 @@ def test_generate_left_padded(name):
     torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
 
 
-def test_generate_static_cache():
-    """A static cache holds more slots than tokens: the mask marks the ones in use."""
-    model = _model("llama")
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_generate_static_cache(name):
+    """A static cache holds more slots than tokens: the mask marks the ones in use (Gemma-2's sliding
+    layers: a rolling buffer of the window's keys)."""
+    model = _model(name)
     ids, mask = _padded_batch("left", lengths=(6, 4))
     got, got_logits = _generate(model, "flashtile", input_ids=ids, attention_mask=mask, cache_implementation="static")
     want, want_logits = _generate(model, "eager", input_ids=ids, attention_mask=mask, cache_implementation="static")
