@@ -49,7 +49,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0  # attention dropout (on the probabilities), in training only
-    tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
+    tie_embeddings: bool = False  # True: the output layer reuses the token embedding matrix
     attn: str = "flashtile"  # "flashtile" | "sdpa" | "eager"
 
     def __post_init__(self):
