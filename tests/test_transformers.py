@@ -127,7 +127,9 @@ def test_register_is_idempotent():
 
 
 def test_register_refuses_old_transformers(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "4.52.0")
+    # the module register() imports: other tests' transformers calls can leave a new top-level
+    # module object in sys.modules (its submodules stay the same)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.52.0")
     with pytest.raises(ImportError, match=r"transformers >= 4\.53.*found 4\.52\.0"):
         hf.register()
 
