@@ -25,7 +25,7 @@ def test_gpt_rows_at_tiny_size_then_a_partial_rerun_merges(tmp_path, capsys):
     assert data["complete"] and len(data["runs"]) == 1
     assert data["runs"][0]["env"]["gpu"] == "cpu" and data["runs"][0]["optimizer"] == "adamw"
     train = {r["impl"]: r for r in rows if r["part"] == "train"}
-    assert sorted(train) == sorted(e2e.TRAIN_IMPLS)
+    assert sorted(train) == sorted(e2e.TRAIN_DEFAULT)
     for r in train.values():
         assert "error" not in r, r
         assert r["batch"] == 2 and r["seqlen"] == 32 and r["step_ms"] > 0

@@ -21,6 +21,8 @@ The step time is the median of --steps steps after --warmup, each bracketed by a
             (flash_attn_func; SDPA with enable_gqa; eager softmax(QK^T)V), so the hf rows' share is
             an estimate of what transformers' own attention call costs.
 A row that runs out of memory is recorded as "oom" (eager attention at the longer seqlens).
+"sdpa" is torch's own choice of SDPA backend (cuDNN's attention on the H100 with torch 2.11);
+"sdpa-flash" pins its FlashAttention-2 backend (train and generate rows, both models).
 
 Part `generate`: a random prompt of --contexts tokens (4k, 16k, 32k) for --batches sequences (1, 32)
 is prefilled, then --warmup-tokens decoding steps run untimed and --new-tokens steps are timed
@@ -47,6 +49,7 @@ row) and e2e.png from it; --plot-only redraws the plot. --tiny runs a 2-layer mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -59,9 +62,11 @@ import torch
 
 from flashtile.bench import harness
 
-TRAIN_IMPLS = ("flashtile", "sdpa", "eager")
-GEN_IMPLS = {"gpt": ("flashtile", "flashtile-graph", "flashtile-paged", "flashtile-paged-graph", "sdpa", "eager"),
-             "hf": ("flashtile", "sdpa", "eager")}
+TRAIN_IMPLS = ("flashtile", "sdpa", "sdpa-flash", "eager")
+GEN_IMPLS = {"gpt": ("flashtile", "flashtile-graph", "flashtile-paged", "flashtile-paged-graph", "sdpa", "sdpa-flash",
+                     "eager"),
+             "hf": ("flashtile", "sdpa", "sdpa-flash", "eager")}
+TRAIN_DEFAULT = ("flashtile", "sdpa", "eager")
 GEN_DEFAULT = {"gpt": ("flashtile", "flashtile-graph", "sdpa"), "hf": ("flashtile", "sdpa")}
 BASELINE = "sdpa"  # the ratios' denominator, per model and shape
 
@@ -381,11 +386,24 @@ class Results:
             harness.write_result(self.path, self.data, quiet=True)
 
 
+def _sdpa_backend(impl: str):
+    """The SDPA backend an implementation pins: "sdpa-flash" runs torch's FlashAttention-2 kernels
+    only; plain "sdpa" leaves the choice to torch (on the H100 with torch 2.11 that choice was
+    cuDNN's attention for these GQA shapes: compare the rows' attention times with bench prefill)."""
+    if impl != "sdpa-flash":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
 def _measure(results: Results, row: dict, fn) -> None:
-    """Fill row from fn() and record it; out of memory or another error is the row's result. The
-    memory of whatever fn left behind is given back before the next row."""
+    """Fill row from fn() and record it, under the SDPA backend its implementation pins; out of
+    memory or another error is the row's result. The memory of whatever fn left behind is given
+    back before the next row."""
     try:
-        row.update(fn())
+        with _sdpa_backend(row["impl"]):
+            row.update(fn())
     except torch.OutOfMemoryError:
         row["error"] = "oom"
     except Exception as e:  # one failing configuration must not stop the others
@@ -418,10 +436,10 @@ def run(args, path: str | None = None) -> dict:
     for model_name in models:
         if "train" in args.part:
             for seqlen in args.seqlens:
-                for attn in args.impls:
-                    row = dict(part="train", model=model_name, impl=attn, seqlen=seqlen, **size)
-                    _measure(results, row, lambda: train_row(model_name, attn, seqlen, args, shape, device, dtype,
-                                                             **peaks))
+                for impl in args.impls:
+                    row = dict(part="train", model=model_name, impl=impl, seqlen=seqlen, **size)
+                    _measure(results, row, lambda: train_row(model_name, impl.split("-")[0], seqlen, args, shape,
+                                                             device, dtype, **peaks))
         if "generate" in args.part:
             run_generate(results, model_name, args, shape, device, dtype, size)
     results.data["complete"] = True
@@ -578,8 +596,8 @@ def parse_args(argv=None):
     p.add_argument("--part", type=_names(("train", "generate")), default=["train", "generate"],
                    help="train, generate or both (default)")
     p.add_argument("--model", type=_names(("gpt", "hf")), default=["gpt", "hf"], help="gpt, hf or both (default)")
-    p.add_argument("--impls", type=_names(TRAIN_IMPLS), default=list(TRAIN_IMPLS),
-                   help="training: attention implementations (default: all)")
+    p.add_argument("--impls", type=_names(TRAIN_IMPLS), default=list(TRAIN_DEFAULT),
+                   help=f"training: attention implementations, of {TRAIN_IMPLS} (default {TRAIN_DEFAULT})")
     p.add_argument("--gen-impls", type=_names(sorted(set(GEN_IMPLS["gpt"]) | set(GEN_IMPLS["hf"]))), default=None,
                    help=f"generation rows (default gpt {','.join(GEN_DEFAULT['gpt'])}; hf {','.join(GEN_DEFAULT['hf'])})")
     p.add_argument("--seqlens", type=_ints, help="training sequence lengths (default 2048,8192,16384)")
