@@ -12,8 +12,8 @@ rounding) and take the same weights:
 
   "flashtile"  training / prefill: flash_attn_func, or flash_attn_varlen_func for a packed batch
                (cu_seqlens); generation: a flashtile KVCache or PagedKVCache, whose attend()
-               appends the new k, v inside flash_attn_with_kvcache's kernel and plans each step
-               once for all layers (DecodePlan).
+               rotates q and k (RoPE), appends k, v and attends in flash_attn_with_kvcache's
+               kernels, planned once per step for all layers (DecodePlan).
   "sdpa"       torch.nn.functional.scaled_dot_product_attention (enable_gqa=True); generation
                with a plain tensor cache (TensorKVCache).
   "eager"      softmax(q k^T / sqrt(d)) v with the scores materialised; same cache as sdpa.
@@ -201,9 +201,10 @@ def apply_rotary(x, cos, sin):
 class _Step:
     """What every layer of one forward shares."""
     attn: str
-    cos: torch.Tensor  # (B or 1, T, head_dim / 2)
-    sin: torch.Tensor
+    cos: torch.Tensor | None  # (B or 1, T, head_dim / 2) at the tokens' positions; None: RoPE in the kernel
+    sin: torch.Tensor | None
     cache: object = None  # KVCache / PagedKVCache (flashtile) or TensorKVCache (sdpa, eager)
+    cache_options: dict | None = None  # flashtile cache.attend's keyword arguments
     mask: torch.Tensor | None = None  # (T, T) of a packed batch, for sdpa and eager
     cu_seqlens: torch.Tensor | None = None  # (n + 1,) int32 of a packed batch, for flashtile
     max_seqlen: int = 0
@@ -225,12 +226,13 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hk, D)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim)
-        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         dropout_p = self.dropout if self.training else 0.0
+        if step.cos is not None:
+            q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
 
         if step.cache is not None:
-            if step.attn == "flashtile":  # append k, v and attend everything cached, in one call
-                out = step.cache.attend(q, k, v, layer=self.layer, causal=True)
+            if step.attn == "flashtile":  # rotate q and k, append k, v and attend, in the kernels
+                out = step.cache.attend(q, k, v, layer=self.layer, **step.cache_options)
             else:
                 k, v = step.cache.update(self.layer, k, v)  # (B, cached + T, Hk, D)
                 out = ATTENTION_FUNCTIONS[step.attn](q, k, v, dropout_p)
@@ -341,7 +343,6 @@ class GPT(nn.Module):
         longest = T + (max(cache.lengths, default=0) if cache is not None else 0)
         if longest > self.config.block_size:
             raise ValueError(f"{longest} positions exceed block_size ({self.config.block_size}), the RoPE tables' length")
-        step = _Step(self.attn, *self._rope(B, T, cache, cu_seqlens, device), cache=cache)
         if cache is not None:
             flash_cache = isinstance(cache, (KVCache, PagedKVCache))
             if flash_cache != (self.attn == "flashtile"):
@@ -349,7 +350,11 @@ class GPT(nn.Module):
                                 f" cache, got {type(cache).__name__}: use make_cache()")
             if cu_seqlens is not None:
                 raise ValueError("a packed batch (cu_seqlens) cannot be appended to a cache")
-        elif cu_seqlens is not None:
+        if cache is not None and self.attn == "flashtile":  # the kernels rotate at the cache positions
+            step = _Step(self.attn, None, None, cache=cache, cache_options=self._cache_options(device))
+        else:
+            step = _Step(self.attn, *self._rope(B, T, cache, cu_seqlens, device), cache=cache)
+        if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"a packed batch is idx (1, total), got {tuple(idx.shape)}")
             if self.attn == "flashtile":
@@ -375,9 +380,22 @@ class GPT(nn.Module):
             pos = cache.seqlens.long()[:, None] + pos  # (B, T)
         elif cu_seqlens is not None:
             pos = pos - cu_seqlens.long()[_sequence_ids(cu_seqlens, T)]  # (1, T)
+        cos, sin = self._rope_tables(device)
+        return cos[pos], sin[pos]
+
+    def _rope_tables(self, device):
+        """The (block_size, head_dim / 2) float32 tables, on device."""
         if self.rope_cos.device != device:
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
-        return self.rope_cos[pos], self.rope_sin[pos]
+        return self.rope_cos, self.rope_sin
+
+    def _cache_options(self, device) -> dict:
+        """cache.attend's options in every layer of a flashtile cache's step: causal, and the RoPE
+        tables, which flash_attn_with_kvcache applies to k at its cache position and to q at the
+        cache length + its row (GPT-NeoX's pairs (i, i + d/2), as apply_rotary). The same tensors
+        every step: the step's plan is keyed by them."""
+        cos, sin = self._rope_tables(device)
+        return dict(causal=True, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -432,8 +450,9 @@ class GPT(nn.Module):
         batch = len(cache.lengths)
         tok_in = torch.zeros(batch, 1, dtype=torch.long, device=cache.seqlens.device)
         q = torch.empty(batch, 1, c.n_head, c.head_dim, dtype=cache.k.dtype, device=cache.seqlens.device)
-        cache.plan(q, max_steps, causal=True)  # reserves room for every step (or raises)
-        plan = cache.plan(q, 1, causal=True)  # the plan attend() finds in every layer of the step
+        options = self._cache_options(q.device)
+        cache.plan(q, max_steps, **options)  # reserves room for every step (or raises)
+        plan = cache.plan(q, 1, **options)  # the plan attend() finds in every layer of the step
         # the warm-up run writes tok_in's k, v at the current lengths, as each replay will
         with torch.no_grad():
             graph, logits = capture(lambda: self._logits(tok_in, cache, last_only=True))
