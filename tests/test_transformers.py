@@ -127,8 +127,8 @@ def test_register_is_idempotent():
 
 
 def test_register_refuses_old_transformers(monkeypatch):
-    # the module register() imports: other tests' transformers calls can leave a new top-level
-    # module object in sys.modules (its submodules stay the same)
+    # the module register() imports: building a model (transformers 5.17) leaves a new top-level
+    # module object in sys.modules; its submodules stay the same
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.52.0")
     with pytest.raises(ImportError, match=r"transformers >= 4\.53.*found 4\.52\.0"):
         hf.register()
