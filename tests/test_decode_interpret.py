@@ -237,6 +237,17 @@ def test_one_plan_runs_every_layer(page_size):
         assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc), f"layer {layer}: appended keys"
     launch = plan._launch
     assert launch.fused and list(launch.arrivals) == [None]  # CPU tensors: one stream, no handle
+    # without the LSE asked for, the kernels write it where the plan keeps it, the same buffer each run
+    k_cache, v_cache, _ = make_cache(b, capacity, hk, d, torch.float16, "cpu", page_size, b)
+    if table is not None:
+        k_cache, v_cache = k_cache[:table.numel()], v_cache[:table.numel()]
+    q, k, v = torch.randn(b, 1, h, d).half(), torch.randn(b, 1, hk, d).half(), torch.randn(b, 1, hk, d).half()
+    kc, vc = k_cache.clone(), v_cache.clone()
+    want, _ = plan.run(q, kc, vc, k, v, return_softmax_lse=True)
+    assert "lse" not in launch.unread
+    assert torch.equal(plan.run(q, k_cache, v_cache, k, v), want)
+    unread = launch.unread["lse"]
+    assert torch.equal(plan.run(q, k_cache.clone(), v_cache.clone(), k, v), want) and launch.unread["lse"] is unread
     assert not launch.arrivals[None].any(), "the fused merge leaves its arrival counters zeroed"
 
 

@@ -564,7 +564,7 @@ class DecodePlan:
                      and v.shape == k_shape and k.dtype == dtype and v.dtype == dtype and k.device == device
                      and v.device == device)):
             self._mismatch(q, k_cache, v_cache, k, v)
-        out, lse = self._run(q, k_cache, v_cache, k, v)
+        out, lse = self._run(q, k_cache, v_cache, k, v, return_softmax_lse)
         return (out, lse) if return_softmax_lse else out
 
     def _mismatch(self, q, k_cache, v_cache, k, v):
@@ -579,8 +579,8 @@ class DecodePlan:
                 raise ValueError(f"{name} is {got}, but the plan was made for {want}")
         raise ValueError("the tensors do not match the plan")  # run's test and this one disagree: a bug
 
-    def _run(self, q, k_cache, v_cache, k, v):
-        """(out, lse) of checked tensors."""
+    def _run(self, q, k_cache, v_cache, k, v, want_lse=True):
+        """(out, lse) of checked tensors; lse may be None when not want_lse."""
         if backend_for(q) == "reference":
             from flashtile.reference.kvcache import attention_with_kvcache
 
@@ -597,7 +597,7 @@ class DecodePlan:
         with _device_guard(q):
             if k is not None:
                 decode.append_kv(launch, k, v, k_cache, v_cache)
-            return decode.decode_attention(launch, q, k_cache, v_cache)
+            return decode.decode_attention(launch, q, k_cache, v_cache, want_lse)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -437,6 +437,7 @@ class DecodeLaunch(NamedTuple):
     partials: Optional[tuple]  # the plan's own (out_partial, lse_partial), or None: one per call
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
     arrivals: dict  # fused: CUDA stream -> that stream's zeroed int32 counters, one per split row
+    unread: dict  # "lse" -> where calls that do not return the LSE let the kernels write it
 
 
 def _seqlens_args(cache_seqlens):
@@ -534,7 +535,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
             HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
             MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, **flags)
-    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, partials, sizes, {})
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, partials, sizes, {}, {})
 
 
 def append_kv(p: DecodeLaunch, k, v, k_cache, v_cache) -> None:
@@ -555,14 +556,20 @@ def _arrivals(p: DecodeLaunch, device) -> torch.Tensor:
     return counters
 
 
-def decode_attention(p: DecodeLaunch, q, k_cache, v_cache):
+def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True):
     """Attention of q over the cache (new keys already appended) -> out (b, sq, h, d) in q's dtype,
-    lse (b, h, sq) fp32."""
+    and lse (b, h, sq) fp32, or None when not want_lse: the kernels then write the LSE into a buffer
+    the plan keeps for that and nobody reads (one allocation less per call)."""
     device = q.device
     out = torch.empty(p.out_shape, dtype=q.dtype, device=device)
-    lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
+    if want_lse:
+        lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
+    else:
+        lse = p.unread.get("lse")
+        if lse is None:
+            lse = p.unread["lse"] = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
     if p.split is None:
-        return out, lse
+        return out, lse if want_lse else None
     if p.num_splits == 1:
         o_buf, l_buf = out, lse
     elif p.partials is not None:
@@ -574,4 +581,4 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache):
     p.split((q, k_cache, v_cache, o_buf, l_buf, *finals), (*q.stride(), *k_cache.stride(), *v_cache.stride()))
     if p.combine is not None:
         p.combine((o_buf, l_buf, out, lse), ())
-    return out, lse
+    return out, lse if want_lse else None
