@@ -125,6 +125,28 @@ def test_rejected_steps_change_nothing():
     assert (cache.block_table >= 0).sum() == 3
 
 
+@pytest.mark.interpret
+def test_negative_advance_rolls_back():
+    """Speculative decoding: 4 draft tokens appended, 3 rejected by advance(-3) (an int, then per
+    sequence); the next step attends over the kept tokens only and overwrites the rejected slots.
+    Rolling back below 0 is refused and changes nothing."""
+    cache = KVCache(B, 64, HK, D, num_layers=1)
+    history = _empty_history(layers=1)
+    k, v = _check_step(cache, history, 0, 4)
+    _keep(history, 0, k, v, [1] * B)
+    cache.advance(4)
+    cache.advance(-3)
+    assert cache.lengths == [1] * B and cache.seqlens.tolist() == [1] * B
+    k, v = _check_step(cache, history, 0, 2)
+    _keep(history, 0, k, v, [2, 1, 0])
+    cache.advance(2)
+    cache.advance([0, -1, -2])
+    _check_step(cache, history, 0, 1)
+    with pytest.raises(ValueError, match="below 0"):
+        cache.advance(-4)
+    assert cache.lengths == [3, 2, 1] and cache.seqlens.tolist() == [3, 2, 1]
+
+
 def test_made_in_inference_mode():
     """A cache made inside inference_mode keeps tensors with a version counter, so the checks know
     its lengths from the host (on a GPU: no device read per step)."""

@@ -74,7 +74,11 @@ class _Cache:
         return plan.run(q, self._k[layer], self._v[layer], k, v, return_softmax_lse=return_lse)
 
     def advance(self, n=1) -> None:
-        """Count n new tokens in every sequence (an int) or n[i] in sequence i (a list of ints)."""
+        """Count n new tokens in every sequence (an int) or n[i] in sequence i (a list of ints).
+
+        A negative count rolls a sequence back (the rejected draft tokens of speculative decoding):
+        its last -n tokens are forgotten and the next append overwrites them. Lengths must stay in
+        [0, capacity]; otherwise ValueError and nothing changes."""
         if isinstance(n, int):
             lengths = [x + n for x in self.lengths]
         else:
