@@ -67,7 +67,14 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
     return x
 
 
-@triton.jit
+# Cache lengths that are ints (an int cache_seqlens; the capacity of a cache that grows every step,
+# as transformers' dynamic cache) change from call to call: Triton would compile another variant
+# whenever one becomes a multiple of 16. They never enter an address's alignment, so they are not
+# specialised on.
+_LENGTHS = ("seqlen_const", "capacity")
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
 def _append_kernel(
     Knew, Vnew, KCache, VCache, Seqlens, BatchIdx, BlockTable, Cos, Sin,
     stride_nb, stride_nt, stride_nh, stride_nd,
@@ -123,7 +130,7 @@ def _append_kernel(
     tl.store(VCache + kh * stride_vh + v_rows[:, None] + offs_d[None, :] * stride_vd, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _split_kernel(
     Q, K, V, Out, Lse, OutF, LseF, Arrivals, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
     stride_qb, stride_qm, stride_qh, stride_qd,
