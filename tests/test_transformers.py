@@ -228,6 +228,24 @@ def test_generate_left_padded(name):
     torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("name, routed", [("llama", 2), ("mistral", 0), ("gemma2", 1)])
+def test_generate_unpadded_runs_the_decoding_kernels(name, routed, monkeypatch):
+    """A batch without padding: each decoding step (one query over the cache) of the `routed`
+    layers goes to flash_attn_with_kvcache, and the tokens and logits equal eager's. Layers whose
+    sliding-window cache holds at most DECODE_MAX_QUERIES keys (Mistral's window of 4, Gemma-2's
+    sliding layers) stay on flash_attn_func."""
+    calls = []
+    real = hf.flash_attn_with_kvcache
+    monkeypatch.setattr(hf, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    model = _model(name)
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
+    got, got_logits = _generate(model, "flashtile", input_ids=ids)
+    want, want_logits = _generate(model, "eager", input_ids=ids)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
+    assert len(calls) == 7 * routed and all(shape[1] == 1 for shape in calls)  # 7 steps after the prefill
+
+
 @pytest.mark.parametrize("sq", [1, 4])
 def test_few_queries_over_more_keys(sq):
     """Decoding-step shapes (a few queries over more keys): causal (bottom-right), sliding window,

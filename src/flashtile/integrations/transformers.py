@@ -19,7 +19,11 @@ d) and key, value (batch, kv_heads, seqlen_k, d), the keys after the cache updat
   starts wherever a position does not follow the one before it by 1, the rule transformers' eager
   and sdpa masks use (its flash_attention_2 looks for the smallest position instead; the two agree
   when every sequence counts from 0).
-- Otherwise flash_attn_func on the tensors as they are (their BHSD storage is read in place).
+- Otherwise flash_attn_func on the tensors as they are (their BHSD storage is read in place);
+  but a few queries over more keys (a decoding step over the cache, up to DECODE_MAX_QUERIES rows
+  per sequence, without dropout) run flash_attn_with_kvcache over the keys as the cache: its
+  split-KV kernels spread one sequence's keys over the GPU, where flash_attn_func's programs
+  (one per query block and head) would read them one program per head.
 
 Masks are aligned to the bottom-right corner (flash-attn's rule): queries at the end of a cache see
 every key before them, so prefill, decoding and chunked prefill need nothing more. GQA/MQA run
@@ -63,13 +67,14 @@ import functools
 import torch
 from packaging.version import Version
 
-from flashtile.api import flash_attn_func, flash_attn_varlen_func
+from flashtile.api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flashtile.padding import pad_input, unpad_input
 
 NAME = "flashtile"
 # The first release with masking_utils.AttentionMaskInterface, which lets an attention
 # implementation choose its mask (older ones build a dense 4-D mask for any name not flash_attention_2)
 MIN_TRANSFORMERS = "4.53"
+DECODE_MAX_QUERIES = 16  # query rows per sequence that still run the decoding kernels (speculative steps)
 
 
 def register() -> None:
@@ -187,7 +192,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _padded(q, k, v, attention_mask, options)
     else:
         packed = _packed_sequences(q, k, kwargs)
-        if packed is None:
+        if packed is None and options["dropout_p"] == 0.0 and q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1]:
+            options.pop("dropout_p")
+            out = flash_attn_with_kvcache(q, k, v, **options)
+        elif packed is None:
             out = flash_attn_func(q, k, v, **options)
         else:
             b, sq, h = q.shape[:3]
