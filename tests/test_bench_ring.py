@@ -1,0 +1,58 @@
+"""`flashtile bench ring` on the CPU with tiny shapes: the simulated schedules run through the ring's
+own loops on the reference path, their output checked against one call, the rows' bookkeeping
+(per-rank FLOPs from the plan, efficiencies), --append, the plot and the table. The GPU numbers
+come from the H100 (the module's docstring has the command)."""
+
+import json
+
+import pytest
+
+import flashtile
+from flashtile.bench import ring as bench
+from flashtile.distributed import ring
+
+ARGS = ["--device", "cpu", "--dtype", "float32", "--nheads", "2", "--headdim", "16", "--reps", "1"]
+
+
+def _main(tmp_path, *argv):
+    with flashtile.use_backend("reference"):
+        bench.main([*ARGS, "--out", str(tmp_path), *argv])
+    with open(tmp_path / "ring_1gpu.json") as f:
+        return json.load(f)
+
+
+def test_rows_flops_and_files(tmp_path):
+    data = _main(tmp_path, "--tokens", "32", "--worlds", "2,4")
+    assert data["complete"]
+    rows = {(r["world_size"], r["causal"], r["layout"]): r for r in data["rows"]}
+    assert set(rows) == {(w, c, l) for w in (2, 4) for c, l in ((False, "zigzag"), (True, "zigzag"),
+                                                                (True, "contiguous"))}
+    h, d, s = 2, 16, 32
+    for (world, causal, layout), r in rows.items():
+        pairs = s * (s + 1) // 2 if causal else s * s  # every (query, key) pair seen, exactly once
+        assert sum(r["rank_flops"]) == 4 * h * d * pairs
+        assert len(r["rank_fwd_ms"]) == len(r["rank_bwd_ms"]) == len(r["rank_kernels_fwd_ms"]) == world
+        assert r["max_err_vs_kernel"] < 1e-5
+        assert r["efficiency"] > 0 and r["parallel_efficiency"] > 0 and r["kernels_efficiency"] > 0
+        assert r["efficiency"] == pytest.approx((r["kernel_fwd_ms"] + r["kernel_bwd_ms"]) / (r["fwd_ms"] + r["bwd_ms"]))
+    for world in (2, 4):  # zigzag: equal causal work; contiguous: the last rank's share grows with world
+        assert rows[world, True, "zigzag"]["flops_imbalance"] == 1.0
+        assert rows[world, True, "contiguous"]["flops_imbalance"] > 1.4
+    table = (tmp_path / "ring_1gpu.md").read_text()
+    assert "| 4 | 32 | causal | contiguous |" in table
+    assert (tmp_path / "ring_1gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_append_keeps_other_shapes(tmp_path):
+    _main(tmp_path, "--tokens", "16", "--worlds", "2", "--no-breakdown", "--no-plot")
+    data = _main(tmp_path, "--tokens", "32", "--worlds", "2", "--no-breakdown", "--no-plot", "--append")
+    assert sorted({r["total_tokens"] for r in data["rows"]}) == [16, 32] and len(data["rows"]) == 6
+    assert not (tmp_path / "ring_1gpu.png").exists()
+
+
+def test_a_wrong_schedule_is_not_timed(tmp_path, monkeypatch):
+    """The schedules' gathered output is checked against the one call before anything is timed."""
+    real = ring.forward_step
+    monkeypatch.setattr(ring, "forward_step", lambda r, step, *a: None if step == 1 else real(r, step, *a))
+    with pytest.raises(AssertionError, match="the schedules' output is"):
+        _main(tmp_path, "--tokens", "16", "--worlds", "2", "--no-plot")
