@@ -154,8 +154,9 @@ def measure(problem: Problem, kernel_ms: tuple, world: int, layout: str, reps: i
     for r in range(world):
         s.forward(r)
     err = s.max_err()
-    # 16 units in the last place of the output's largest value: two roundings apart, not a bug
-    tol = 16 * torch.finfo(problem.q.dtype).eps * float(problem.out.float().abs().max())
+    # both round float32 sums once to the output dtype: allow a few units in the last place of the
+    # largest output (a schedule that loses a step is off by a share of every row it touches)
+    tol = 4 * torch.finfo(problem.q.dtype).eps * float(problem.out.float().abs().max())
     if not err <= tol:
         raise AssertionError(f"world {world} {layout}: the schedules' output is {err:.3g} from the kernel's "
                              f"(tolerance {tol:.3g})")
