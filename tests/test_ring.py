@@ -10,7 +10,6 @@ latter on a one-rank group.
 
 import datetime
 import re
-import os
 
 import numpy as np
 import pytest

@@ -11,7 +11,8 @@ Forward, step t = 0 .. world - 1 on rank r (holding the K/V of rank src = (r - t
 
 O and L are float32 accumulators merged in place: merge_attention_states would round O to the
 input dtype at every step (world roundings instead of one) and needs the two states stacked into
-a new tensor first; the in-place merge is four elementwise passes over O per step.
+a new tensor first; the in-place merge costs two elementwise passes over O per piece (a scale and
+a multiply-add), the same order of bytes as reading the piece's output once more.
 
 An attention sink (one logit t_h per head, gpt-oss) joins after the last step, once, as one more
 state with O = 0 and L = t_h. The backward runs the ring again; each piece's kernels recompute P
@@ -19,7 +20,8 @@ from the *final* L (the global softmax, sink included) and take delta = rowsum(d
 final O, so their dQ, dK, dV are exactly that block's share of the gradient (as flash-attn's ring
 implementations do): dQ accumulates on the rank; dK/dV of the held shard accumulate in float32
 buffers that travel with it, one hop behind the K/V, and arrive at the owner after the last step.
-float32 because each hop adds to them, and bf16 would round at every hop.
+float32 because each hop adds to them, and bf16 would round at every hop (the price: dK/dV
+travel with twice the bytes of bf16 K/V).
 
 ring.py holds the loops and the per-step helpers (`forward_step`, `backward_step`), shared by the
 distributed functions and by the one-GPU simulation of `flashtile bench ring` (comm.SimulatedRing
@@ -36,7 +38,6 @@ import torch
 from flashtile import _checks, autograd
 from flashtile.distributed import comm, plan
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_VARLEN = (None, None, 0, 0)
 
 
