@@ -45,9 +45,13 @@ def test_rows_flops_and_files(tmp_path):
 
 def test_append_keeps_other_shapes(tmp_path):
     _main(tmp_path, "--tokens", "16", "--worlds", "2", "--no-breakdown", "--no-plot")
-    data = _main(tmp_path, "--tokens", "32", "--worlds", "2", "--no-breakdown", "--no-plot", "--append")
-    assert sorted({r["total_tokens"] for r in data["rows"]}) == [16, 32] and len(data["rows"]) == 6
+    data = _main(tmp_path, "--tokens", "32", "--worlds", "2", "--no-breakdown", "--no-plot", "--append",
+                 "--masks", "causal")
+    assert sorted((r["total_tokens"], r["causal"]) for r in data["rows"]) == \
+        [(16, False), (16, True), (16, True), (32, True), (32, True)]
     assert not (tmp_path / "ring_1gpu.png").exists()
+    with pytest.raises(SystemExit):
+        _main(tmp_path, "--masks", "causal,sliding")
 
 
 def test_a_wrong_schedule_is_not_timed(tmp_path, monkeypatch):

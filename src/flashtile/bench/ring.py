@@ -24,8 +24,9 @@ schedules' gathered output against the one call's before timing.
 
     python -m flashtile.bench.ring --out benchmarks/results/h100
 writes ring_1gpu.json there (rewritten after every row; --append keeps the rows of other
-shapes already in it, so the grid can be run in parts) and ring_1gpu.png / ring_1gpu.md from
-it; --plot-only redraws them. --device cpu runs it on the CPU (tiny shapes: the CPU smoke test).
+shapes already in it, so the grid can be run in parts: --tokens, --worlds, --masks) and
+ring_1gpu.png / ring_1gpu.md from it; --plot-only redraws them. --device cpu runs it on the CPU
+(tiny shapes: the CPU smoke test).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def run(args, path: str | None = None) -> dict:
     rows = []
     result = {"env": harness.environment(), "device": args.device, "complete": False, "rows": rows}
     for tokens in args.tokens:
-        for causal in (False, True):
+        for causal in [m == "causal" for m in args.masks]:
             problem = Problem(tokens, args.nheads, args.headdim, causal, dtype, args.device)
             kernel_ms = (_time_ms(problem.forward, args.reps), _time_ms(problem.backward, args.reps))
             for world in args.worlds:
@@ -313,6 +314,8 @@ def main(argv=None) -> None:
     p.add_argument("--worlds", type=_ints, default=[2, 4, 8], help="simulated ranks")
     p.add_argument("--nheads", type=int, default=16)
     p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--masks", type=lambda s: s.split(","), default=["none", "causal"],
+                   help="none,causal (default both): the causal rows run zigzag and contiguous shards")
     p.add_argument("--reps", type=int, default=3, help="timed runs per median (after one untimed run)")
     p.add_argument("--no-breakdown", action="store_true", help="skip timing the schedules' kernels alone")
     p.add_argument("--append", action="store_true", help="keep the rows of other shapes already in the file")
@@ -324,6 +327,8 @@ def main(argv=None) -> None:
     if not args.plot_only:
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise SystemExit("flashtile bench ring needs a CUDA GPU (or --device cpu for a smoke run)")
+        if not args.masks or set(args.masks) - {"none", "causal"}:
+            p.error(f"--masks: a comma list of none and causal, got {','.join(args.masks)!r}")
         harness.write_result(path, run(args, path))
     if not args.no_plot:
         for png in plot(path, out):
