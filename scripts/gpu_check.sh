@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU entry point: cuda tests and benchmarks, results under OUTDIR.
 #   usage: bash scripts/gpu_check.sh OUTDIR [tests|bench|all] [extra prefill bench args...]
-# Runs from the repository root with PYTHONPATH=src (no install needed). The cuda tests run in nine
+# Runs from the repository root with PYTHONPATH=src (no install needed). The cuda tests run in eleven
 # pytest processes at once so that Triton compiles in parallel (the GPU is shared; these are
 # correctness tests, nothing is timed while they run).
 #
@@ -28,17 +28,20 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
   budget=${TEST_BUDGET_S:-540}
   prefill="tests/test_prefill_cuda.py"
   varlen="tests/test_varlen_cuda.py"
+  sink="tests/test_sink_cuda.py"
   names=("grid d32-59" "grid d64-96" "grid d111-160" "grid d192-256" "prefill other" "decode/kvcache"
-         "varlen grid d32-64" "varlen grid d96-256" "varlen other, dropout")
+         "varlen grid d32-64" "varlen grid d96-256" "varlen other, dropout" "sink grid" "sink other")
   cmds=("-k 'test_grid and (d32 or d40 or d59)' $prefill"
         "-k 'test_grid and (d64 or d80 or d96)' $prefill"
         "-k 'test_grid and (d111 or d128 or d160)' $prefill"
         "-k 'test_grid and (d192 or d224 or d256)' $prefill"
         "-k 'not test_grid' $prefill"
-        "tests/ --ignore=$prefill --ignore=$varlen"
+        "tests/ --ignore=$prefill --ignore=$varlen --ignore=$sink"
         "-k 'test_varlen_grid and (d32 or d59 or d64)' $varlen"
         "-k 'test_varlen_grid and (d96 or d128 or d256)' $varlen"
-        "-k 'not test_varlen_grid' $varlen")
+        "-k 'not test_varlen_grid' $varlen"
+        "-k test_prefill_grid $sink"
+        "-k 'not test_prefill_grid' $sink")
   pids=()
   for i in "${!cmds[@]}"; do
     eval "timeout -s INT -k 30 $budget python -m pytest -q -m cuda -p no:cacheprovider ${cmds[$i]}" \

@@ -44,12 +44,12 @@ PARTS = {"dkdv": dict(DKDV=True, DQ=False), "dq": dict(DKDV=False, DQ=True),
          "dkdv-pdl": dict(DKDV=True, DQ=False, PDL=True), "dq-delta": dict(DKDV=False, DQ=True, WRITE_DELTA=True),
          "dq-tma": dict(DKDV=False, DQ=True), "backward-tma": dict(DKDV=True, DQ=True)}
 DESCRIPTORS = ("Q_desc", "dO_desc", "K_desc", "V_desc")
-FP32_POINTERS = ("Lse", "Delta")
+FP32_POINTERS = ("Lse", "Delta", "Sink")
 INT_POINTERS = {"CuSeqQ": "*i32", "CuSeqK": "*i32", "SeqUsedK": "*i32", "BlockTable": "*i32", "Rng": "*i64"}
 FLOATS = ("qk_scale", "softcap", "softmax_scale", "dropout_scale")
 # the optional tensors each flag reads: absent (constexpr None) unless the flag is on
 FLAG_TENSORS = {"IS_VARLEN": ("CuSeqQ", "CuSeqK"), "HAS_SEQUSED": ("SeqUsedK",), "PAGE_SIZE": ("BlockTable",),
-                "HAS_DROPOUT": ("Rng",)}
+                "HAS_DROPOUT": ("Rng",), "HAS_SINK": ("Sink",)}
 
 
 def compile_sm90(name: str, d: int, blocks=None, flags=None):
@@ -61,7 +61,8 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
                  HAS_ALIBI=False, EVEN_D=d == block_d, DOT_PRECISION="ieee", stride_slope_b=0,
                  stride_slope_h=0, **PARTS[name])
     const.update({field: blocks[i] for field, i in fields.items()})
-    flags = {**dict(IS_VARLEN=False, HAS_SEQUSED=False, PAGE_SIZE=0, HAS_DROPOUT=False), **(flags or {})}
+    flags = {**dict(IS_VARLEN=False, HAS_SEQUSED=False, PAGE_SIZE=0, HAS_DROPOUT=False, HAS_SINK=False),
+             **(flags or {})}
     const.update({n: v for n, v in flags.items() if n in names})
     for flag, tensors in FLAG_TENSORS.items():
         if not flags[flag]:

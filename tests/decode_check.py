@@ -67,7 +67,7 @@ def _written(shape, lengths, s_new, block_table, batch_idx, device):
 
 def check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, device, *, page_size=None, lengths=None,
                   num_splits=0, rotary=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
-                  leftpad=False, batch_idx=False, int_seqlens=False, q_strided=False, plan=None):
+                  leftpad=False, batch_idx=False, int_seqlens=False, q_strided=False, plan=None, sink=False):
     """Run one case; returns the kernel's (out, lse) for comparisons across num_splits.
 
     lengths: tokens already cached per sequence (random in [0, capacity - s_new] when None).
@@ -76,7 +76,8 @@ def check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, device, *, page_size=
     of (b, h, sq, d) storage. plan: run a DecodePlan instead of flash_attn_with_kvcache, made
     from the lengths as a host list ("list") or from the index tensor ("tensor"); the call is
     then also made through flash_attn_with_kvcache on a fourth copy of the cache, and both must
-    agree bit for bit (one code path: the same kernels with the same arguments).
+    agree bit for bit (one code path: the same kernels with the same arguments). sink: with an
+    attention sink (h,) (prefill_check.sink_logits), passed to run() with a plan.
     """
     torch.manual_seed(0)  # the same inputs for the same case, whatever num_splits
     gen = torch.Generator().manual_seed(0)
@@ -107,6 +108,10 @@ def check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, device, *, page_size=
                                            dtype=torch.int32, device=device)
     if batch_idx:
         kw["cache_batch_idx"] = torch.randperm(b_cache, generator=gen)[:b].int().to(device)
+    if sink:
+        from prefill_check import sink_logits
+
+        kw["learnable_sink"] = sink_logits(h, max(lengths) + s_new, device)
 
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(4 if plan else 3)]
     with poisoned_empty():
@@ -114,11 +119,12 @@ def check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, device, *, page_size=
             out, lse = api.flash_attn_with_kvcache(q, *caches[0], k, v, **kw, num_splits=num_splits,
                                                    return_softmax_lse=True)
         else:
-            options = {name: x for name, x in kw.items() if name != "cache_seqlens"}
+            options = {name: x for name, x in kw.items() if name not in ("cache_seqlens", "learnable_sink")}
             seqlens = lengths if plan == "list" and not int_seqlens else kw["cache_seqlens"]
             decode_plan = api.DecodePlan(b, h, k_cache.shape, seqlens, dtype=dtype, device=device, seqlen_q=sq,
                                          seqlen_new=s_new, num_splits=num_splits, **options)
-            out, lse = decode_plan.run(q, *caches[0], k, v, return_softmax_lse=True)
+            out, lse = decode_plan.run(q, *caches[0], k, v, return_softmax_lse=True,
+                                       learnable_sink=kw.get("learnable_sink"))
             want, want_lse = api.flash_attn_with_kvcache(q, *caches[3], k, v, **kw, num_splits=num_splits,
                                                          return_softmax_lse=True)
             assert torch.equal(out, want) and torch.equal(lse, want_lse), "DecodePlan.run != flash_attn_with_kvcache"

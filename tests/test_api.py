@@ -149,14 +149,17 @@ def test_custom_ops_pass_opcheck():
     q, k, v = qkv(1, 12, 15, 2, 1, 8, requires_grad=True)
     none_varlen = (None, None, 0, 0, None, None)
     torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.0, None, *none_varlen,
-                                                   "reference"))
+                                                   "reference", None))
     rng = torch.tensor([123, 456])  # dropout: the same seed tensor gives the same mask every call
     torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.2, rng, *none_varlen,
-                                                   "reference"))
+                                                   "reference", None))
+    sink = torch.randn(2, requires_grad=True)
+    torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.0, None, *none_varlen,
+                                                   "reference", sink))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     qp, kp, vp = (t.detach()[0, :12].clone().requires_grad_() for t in (q, k, v))
     torch.library.opcheck(autograd.attention_fwd, (qp, kp, vp, 0.3, None, 0, 0.0, None, 0.0, None, cu, cu, 7, 7,
-                                                   None, None, "reference"))
+                                                   None, None, "reference", None))
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpret)])
@@ -171,8 +174,9 @@ def test_eager_function_matches_custom_op(backend):
     args = (q, k, v, 0.25, None, 0, 0.0, None)
     rng = torch.tensor([5, 6])
     results = []
-    for out, lse in (autograd._Attention.apply(*args, (0.3, rng, autograd._NO_EXTRA[2]), backend),
-                     autograd.attention_fwd(*args, 0.3, rng, None, None, 0, 0, None, None, backend)):
-        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+    sink = torch.randn(2, requires_grad=True)
+    for out, lse in (autograd._Attention.apply(*args, (0.3, rng, autograd._NO_EXTRA[2]), backend, sink),
+                     autograd.attention_fwd(*args, 0.3, rng, None, None, 0, 0, None, None, backend, sink)):
+        results.append((out, lse, *torch.autograd.grad(out, (q, k, v, sink), dout)))
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -86,8 +86,9 @@ def oracle(q, k, v, lens_q, lens_k, used, dout=None, compute_dtype=torch.float64
 
 
 def check_varlen(lens_q, lens_k, h, hk, d, dtype, device, causal=False, window=(-1, -1), softcap=0.0,
-                 alibi=False, page_size=0, seqused=None, dropout_p=0.0, backward=True, factor=2):
-    """Forward (and backward, unless paged) of a packed batch against the per-sequence oracle."""
+                 alibi=False, page_size=0, seqused=None, dropout_p=0.0, backward=True, factor=2, sink=False):
+    """Forward (and backward, unless paged) of a packed batch against the per-sequence oracle;
+    sink: with an attention sink (prefill_check.sink_logits), its gradient checked too."""
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
 
@@ -100,6 +101,11 @@ def check_varlen(lens_q, lens_k, h, hk, d, dtype, device, causal=False, window=(
     slopes = torch.rand(b, h, device=device) if alibi else None
     dropout = (dropout_p, draw_rng(device)) if dropout_p else None
     kw = dict(softmax_scale=d ** -0.5, window_size=(left, right), softcap=softcap, alibi_slopes=slopes)
+    sink_t = None
+    if sink:
+        from prefill_check import sink_logits
+
+        kw["learnable_sink"] = sink_t = sink_logits(h, max(lens_k, default=1), device)
     k_in, v_in, table = k, v, None
     if page_size:
         num_pages = sum(-(-n // page_size) for n in lens_k) + 3
@@ -114,7 +120,7 @@ def check_varlen(lens_q, lens_k, h, hk, d, dtype, device, causal=False, window=(
     out = torch.empty_like(q)
     poison(out)
     out, lse = attention_forward(q, k_in, v_in, d ** -0.5, win, softcap, slopes, out=out, varlen=varlen,
-                                 dropout=dropout)
+                                 dropout=dropout, sink=sink_t)
     dout = torch.randn_like(out) if backward and not page_size else None
     ref_out, ref_lse, ref_grads = oracle(q, k, v, lens_q, lens_k, used, dout, dropout=dropout, **kw)
     base_out, base_lse, base_grads = oracle(q, k, v, lens_q, lens_k, used, dout, compute_dtype=None,
@@ -125,7 +131,12 @@ def check_varlen(lens_q, lens_k, h, hk, d, dtype, device, causal=False, window=(
         return
     grads = [torch.empty_like(t) for t in (q, k, v)]
     poison(*grads)
+    delta = None if sink_t is None else torch.empty_like(lse)
     got = attention_backward(dout, q, k, v, out, lse, d ** -0.5, win, softcap, slopes, *grads, varlen=varlen,
-                             dropout=dropout)
+                             dropout=dropout, delta=delta)
     for name, g, r, bb in zip(("dq", "dk", "dv"), got, ref_grads, base_grads):
         assert_2x(name, g, r, bb, factor=factor)
+    if sink_t is not None:
+        from prefill_check import check_sink_grad
+
+        check_sink_grad(sink_t, lse, delta, dout, (ref_out, ref_lse), (base_out, base_lse), factor)

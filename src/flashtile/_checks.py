@@ -121,6 +121,45 @@ def check_alibi(alibi_slopes, b: int, h: int, device) -> None:
         raise ValueError(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
 
 
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_sink(learnable_sink, h: int, device) -> Optional[torch.Tensor]:
+    """The attention sink as the kernels read it: None, or (h,) contiguous (a strided view is
+    copied; autograd carries its gradient back through the copy)."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor or None, got {type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink must be float32, bfloat16 or float16, got {learnable_sink.dtype}")
+    if tuple(learnable_sink.shape) != (h,):
+        raise ValueError(f"learnable_sink must have shape ({h},) (one logit per query head), "
+                         f"got {tuple(learnable_sink.shape)}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink must be on {device}, got {learnable_sink.device}")
+    return learnable_sink.contiguous()
+
+
+def check_sink_rows(learnable_sink, rows: tuple, device) -> None:
+    """An attention sink given per row of a merge: None, or a float tensor that broadcasts to rows."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor or None, got {type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink must be float32, bfloat16 or float16, got {learnable_sink.dtype}")
+    try:
+        ok = torch.broadcast_shapes(learnable_sink.shape, rows) == rows
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"learnable_sink must broadcast to {rows} (lse_partial without S), got "
+                         f"{tuple(learnable_sink.shape)}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink must be on {device}, got {learnable_sink.device}")
+
+
 def check_dropout_p(dropout_p: float) -> float:
     if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:
         return dropout_p

@@ -60,7 +60,7 @@ def backend_for(t: torch.Tensor) -> str:
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=0.0, varlen=None):
+def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=0.0, varlen=None, sink=None):
     """Checked inputs and a (left, right) window with None = unbounded -> (out, lse).
 
     Dropout draws its Philox seed from torch's generator of q's device here (so torch.manual_seed
@@ -78,7 +78,7 @@ def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=
         rng = draw_rng(q.device)
     with _device_guard(q):  # the backward runs on autograd's thread for q's device
         return autograd.attention(q, k, v, softmax_scale, window[0], window[1], softcap, alibi_slopes,
-                                  backend, dropout_p, rng, varlen)
+                                  backend, dropout_p, rng, varlen, sink)
 
 
 def _gather_pages(k, v, varlen):
@@ -129,7 +129,8 @@ def _outputs(out, lse, return_attn_probs):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    learnable_sink=None):
     """Exact attention, flash-attn 2.x's `flash_attn_func`.
 
     Arguments:
@@ -160,17 +161,24 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         deterministic: accepted for flash-attn compatibility; the backward is always bitwise
             reproducible (dQ has its own kernel, no atomics), dropout included.
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
+        learnable_sink: optional (nheads,) float32 / bfloat16 / float16, keyword (FlashAttention-4's
+            name; gpt-oss's attention sinks): one logit t_h per query head that joins every row's
+            softmax and carries no value, so a head can attend "nowhere":
+            lse_i = log(exp(t_h) + sum_j exp(s_ij)), P_ij = exp(s_ij - lse_i). It gets a gradient
+            (d t_h = -sum over batch and rows of exp(t_h - lse) * rowsum(dO * O)).
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.
         softmax_lse (only with return_attn_probs): (batch, nheads, seqlen_q) float32, natural log, of
-            the softmax before dropout; -inf for a row that sees no key (flash-attn writes +inf there).
+            the softmax before dropout, the sink included; -inf for a row that sees no key (flash-attn
+            writes +inf there), or t_h with a sink.
         None (only with return_attn_probs): flashtile never materialises the attention matrix, so
             there is no S_dmask, with or without dropout (reference.dropout.DropoutMask rebuilds the
             mask of a call for tests).
     """
     scale, window, softcap, dropout_p = _check_common(q, k, v, softmax_scale, causal, window_size, softcap,
                                                       alibi_slopes, dropout_p)
-    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p)
+    sink = _checks.check_sink(learnable_sink, q.shape[2], q.device)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, sink=sink)
     return _outputs(out, lse, return_attn_probs)
 
 
@@ -184,26 +192,26 @@ def _unpack(name: str, t, ndim: int, n: int, layout: str):
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, *, learnable_sink=None):
     """`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim): q, k, v are read as strided views."""
     q, k, v = _unpack("qkv", qkv, 5, 3, "(batch, seqlen, 3, nheads, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+                             deterministic=False, return_attn_probs=False, *, learnable_sink=None):
     """`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim), read as strided views."""
     k, v = _unpack("kv", kv, 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                           block_table=None, *, seqused_k=None):
+                           block_table=None, *, seqused_k=None, learnable_sink=None):
     """Exact attention over a packed batch of sequences of different lengths: flash-attn 2.x's
     `flash_attn_varlen_func` (flashtile.padding turns a padded batch into one and back).
 
@@ -226,6 +234,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             cache). Gradients through pages are supported (the pages are gathered first).
         seqused_k: optional (batch,) int32, keyword: sequence b attends only its first
             seqused_k[b] keys (FlashAttention-3 / vLLM); the other keys get zero gradients.
+        learnable_sink: optional (nheads,), keyword: the attention sink, as flash_attn_func.
     Returns:
         out: (total_q, nheads, headdim), q's dtype.
         softmax_lse (only with return_attn_probs): (nheads, total_q) float32, natural log.
@@ -243,29 +252,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     h, d = q.shape[1:]
     scale, window, softcap, dropout_p = _check_options(q, varlen.batch, h, d, softmax_scale, causal, window_size,
                                                        softcap, alibi_slopes, dropout_p)
-    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, varlen)
+    sink = _checks.check_sink(learnable_sink, h, q.device)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, varlen, sink)
     return _outputs(out, lse, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False):
+                                     deterministic=False, return_attn_probs=False, *, learnable_sink=None):
     """`flash_attn_varlen_func` on qkv (total, 3, nheads, headdim), one cu_seqlens for q and k."""
     q, k, v = _unpack("qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False):
+                                    return_attn_probs=False, *, learnable_sink=None):
     """`flash_attn_varlen_func` with kv (total_k, 2, nheads_k, headdim)."""
     k, v = _unpack("kv", kv, 4, 2, "(total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, learnable_sink=learnable_sink)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -525,15 +535,17 @@ class DecodePlan:
         self._causal = causal
         self._geometry = dict(page_size=page_size, capacity=capacity, cache_rows=cache_rows,
                               own_partials=own_partials)
-        # the kernels' plan; kept off the reference path, which must not import triton
+        # the kernels' plan; kept off the reference path, which must not import triton. Runs with an
+        # attention sink take a variant of it, planned at the first such run
         self._launch = self._kernel_plan() if device.type == "cuda" or interpreter_on() else None
+        self._sink_launch = None
 
-    def _kernel_plan(self):
+    def _kernel_plan(self, has_sink=False):
         from flashtile.ops import decode
 
         b, sq, h, d = self._q_shape
         return decode.plan(b, sq, h, self.cache_shape[2], d, self.dtype, self.device, seqlen_new=self.seqlen_new,
-                           **self._geometry, **self._args, **self._options)
+                           **self._geometry, **self._args, **self._options, has_sink=has_sink)
 
     @property
     def num_splits(self) -> int:
@@ -542,7 +554,7 @@ class DecodePlan:
             self._launch = self._kernel_plan()
         return self._launch.num_splits
 
-    def run(self, q, k_cache, v_cache, k=None, v=None, return_softmax_lse=False):
+    def run(self, q, k_cache, v_cache, k=None, v=None, return_softmax_lse=False, *, learnable_sink=None):
         """Append k, v and attend q over one layer's cache, as planned.
 
         Arguments:
@@ -550,6 +562,10 @@ class DecodePlan:
             k_cache, v_cache: shaped cache_shape, same dtype and device; any strides.
             k, v: (batch, seqlen_new, nheads_k, headdim) when the plan has seqlen_new > 0, else None.
             return_softmax_lse: also return the log-sum-exp.
+            learnable_sink: optional (nheads,) float32 / bfloat16 / float16 on the plan's device:
+                this layer's attention sink (as flash_attn_func's), added once per row, after the
+                splits are merged. Layers may differ in it; the first run with a sink plans the
+                kernels' variant that reads one.
         Returns:
             out (batch, seqlen_q, nheads, headdim) in q's dtype, and with return_softmax_lse
             softmax_lse (batch, nheads, seqlen_q) float32 (as flash_attn_with_kvcache).
@@ -564,7 +580,9 @@ class DecodePlan:
                      and v.shape == k_shape and k.dtype == dtype and v.dtype == dtype and k.device == device
                      and v.device == device)):
             self._mismatch(q, k_cache, v_cache, k, v)
-        out, lse = self._run(q, k_cache, v_cache, k, v, return_softmax_lse)
+        if learnable_sink is not None:
+            learnable_sink = _checks.check_sink(learnable_sink, self.nheads, device)
+        out, lse = self._run(q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink)
         return (out, lse) if return_softmax_lse else out
 
     def _mismatch(self, q, k_cache, v_cache, k, v):
@@ -579,7 +597,7 @@ class DecodePlan:
                 raise ValueError(f"{name} is {got}, but the plan was made for {want}")
         raise ValueError("the tensors do not match the plan")  # run's test and this one disagree: a bug
 
-    def _run(self, q, k_cache, v_cache, k, v, want_lse=True):
+    def _run(self, q, k_cache, v_cache, k, v, want_lse=True, sink=None):
         """(out, lse) of checked tensors; lse may be None when not want_lse."""
         if backend_for(q) == "reference":
             from flashtile.reference.kvcache import attention_with_kvcache
@@ -587,24 +605,30 @@ class DecodePlan:
             args, options = self._args, self._options
             out, lse = attention_with_kvcache(
                 q, k_cache, v_cache, k, v, softmax_scale=options["softmax_scale"], causal=self._causal,
-                window_size=options["window"], softcap=options["softcap"], compute_dtype=torch.float32, **args)
+                window_size=options["window"], softcap=options["softcap"], compute_dtype=torch.float32,
+                learnable_sink=sink, **args)
             return out.to(q.dtype), lse
         from flashtile.ops import decode
 
-        launch = self._launch
-        if launch is None:  # planned for the reference path, run on the interpreter
-            launch = self._launch = self._kernel_plan()
+        if sink is None:
+            launch = self._launch
+            if launch is None:  # planned for the reference path, run on the interpreter
+                launch = self._launch = self._kernel_plan()
+        else:
+            launch = self._sink_launch
+            if launch is None:
+                launch = self._sink_launch = self._kernel_plan(has_sink=True)
         with _device_guard(q):
             if k is not None:
                 decode.append_kv(launch, k, v, k_cache, v_cache)
-            return decode.decode_attention(launch, q, k_cache, v_cache, want_lse)
+            return decode.decode_attention(launch, q, k_cache, v_cache, want_lse, sink)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, learnable_sink=None):
     """Attention of q over a KV cache, appending new keys first: flash-attn 2.x's function.
 
     Flash-Decoding: the keys of each sequence are cut into splits that run in parallel, then merged
@@ -644,10 +668,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (ops.configs.decode_num_splits). 1 runs no combine kernel. The result does not depend
             on it beyond fp32 rounding.
         return_softmax_lse: also return the log-sum-exp.
+        learnable_sink: optional (nheads,), keyword: the attention sink, as flash_attn_func's; it
+            joins each row once, after the splits are merged.
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in q's dtype; rows that see no key are zero.
         softmax_lse (only with return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log,
-            -inf for a row that sees no key.
+            -inf for a row that sees no key (the sink's logit with a sink).
 
     Checks: shapes, dtypes and devices always; and the index values - cache overflow (an append or
     cache_seqlens beyond the cache, or beyond what block_table addresses), page indices,
@@ -666,7 +692,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     plan = _plan_of_call(q, k_cache, v_cache, k, v, (
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
         alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, num_splits))
-    return plan.run(q, k_cache, v_cache, k, v, return_softmax_lse)
+    return plan.run(q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink=learnable_sink)
 
 
 # The plans of recent flash_attn_with_kvcache calls. The layers of a decoding step pass the same
@@ -708,7 +734,7 @@ def _identity(x):
     return (id(x), x._version) if isinstance(x, torch.Tensor) else x
 
 
-def merge_attention_states(out_partial, lse_partial):
+def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
     """Exact merge of attention computed over disjoint pieces of the keys (splits, prefix caches,
     ring attention): out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s.
 
@@ -716,6 +742,10 @@ def merge_attention_states(out_partial, lse_partial):
         out_partial: (S, *, headdim), float16 / bfloat16 / float32: each piece's normalised output.
         lse_partial: (S, *) float32, natural log. A piece with lse = -inf saw no key: it contributes
             nothing, whatever its out_partial holds (NaN included).
+        learnable_sink: optional attention sink (float32 / bfloat16 / float16) broadcastable to (*)
+            - for pieces laid out (S, batch, nheads, seqlen), the sink (nheads,) as
+            learnable_sink[:, None] - counted once, as one more piece with lse = the sink and out 0
+            (the pieces themselves must not include it).
     Returns:
         out: (*, headdim) in out_partial's dtype (zeros where every piece is empty);
         lse: (*) float32 (-inf where every piece is empty).
@@ -732,11 +762,12 @@ def merge_attention_states(out_partial, lse_partial):
     if lse_partial.device != out_partial.device:
         raise ValueError(f"lse_partial must be on the device of out_partial ({out_partial.device}), "
                          f"got {lse_partial.device}")
+    _checks.check_sink_rows(learnable_sink, tuple(lse_partial.shape[1:]), out_partial.device)
     if backend_for(out_partial) == "reference":
         from flashtile.reference.decoding import merge
 
-        return merge(out_partial, lse_partial)
+        return merge(out_partial, lse_partial, sink=learnable_sink)
     from flashtile.ops import decode
 
     with _device_guard(out_partial):
-        return decode.merge_states(out_partial, lse_partial)
+        return decode.merge_states(out_partial, lse_partial, learnable_sink)

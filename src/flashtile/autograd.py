@@ -12,6 +12,11 @@ custom op only while compiling.
 `backend` is "triton" (ops/, on CUDA or under TRITON_INTERPRET=1) or "reference" (the blockwise
 PyTorch FA2 of reference/fa2.py); api.py picks it by the dispatch rule. A window side of None is
 unbounded.
+
+The attention sink (`sink`, (h,) or None) is an input like q: the kernels fold it into the LSE
+(the reference folds it in after its loop, reference.decoding.add_sink), the backward kernels
+need nothing more (P recomputed from that LSE is already the sink's softmax), and its gradient is
+a reduction of the backward's delta (sink_grad), computed the same way for both backends.
 """
 
 from __future__ import annotations
@@ -35,51 +40,81 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, b
 
 
 def _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
-             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend):
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink=None):
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)
     dropout = (dropout_p, rng) if dropout_p > 0 else None
     if backend == "triton":
         from flashtile.ops.forward import attention_forward
 
         return attention_forward(q, k, v, softmax_scale, (window_left, window_right), softcap, alibi_slopes,
-                                 varlen=varlen, dropout=dropout)
+                                 varlen=varlen, dropout=dropout, sink=sink)
     window = _window(window_left, window_right)
     if varlen is not None:
         from flashtile.reference import varlen as reference_varlen
 
-        return reference_varlen.forward(q, k, v, varlen, softmax_scale, window, softcap, alibi_slopes, dropout)
-    from flashtile.reference import fa2
-    from flashtile.reference.dropout import DropoutMask
+        out, lse = reference_varlen.forward(q, k, v, varlen, softmax_scale, window, softcap, alibi_slopes, dropout)
+    else:
+        from flashtile.reference import fa2
+        from flashtile.reference.dropout import DropoutMask
 
-    mask = None if dropout is None else DropoutMask(dropout_p, rng, q.shape[2], range(q.shape[0]))
-    out, lse = fa2.forward(q, k, v, softmax_scale=softmax_scale, window_size=window, softcap=softcap,
-                           alibi_slopes=alibi_slopes, dropout=mask)
-    return out.to(q.dtype), lse.float()
+        mask = None if dropout is None else DropoutMask(dropout_p, rng, q.shape[2], range(q.shape[0]))
+        out, lse = fa2.forward(q, k, v, softmax_scale=softmax_scale, window_size=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes, dropout=mask)
+        out, lse = out.to(q.dtype), lse.float()
+    if sink is not None:
+        from flashtile.reference.decoding import add_sink
+
+        rows, lse = add_sink(_by_head(out).float(), lse, sink[:, None])  # lse: (b, h, sq) or (h, total_q)
+        out = _by_head(rows).to(q.dtype).contiguous()
+    return out, lse
+
+
+def _by_head(t):
+    """BSHD (b, s, h, d) <-> (b, h, s, d), packed (total, h, d) <-> (h, total, d): out in the LSE's
+    row order (a view)."""
+    return t.transpose(-3, -2)
+
+
+def sink_grad(sink, lse, delta):
+    """d(sink) (h,) in sink's dtype: the sink's column of dS is P_sink (0 - delta) with P_sink =
+    exp(sink - lse), summed over every row of each head. lse and delta shaped alike, the head dim
+    second to last: (b, h, sq) or (h, total_q). A torch reduction: deterministic."""
+    g = torch.exp(sink.float()[:, None] - lse) * delta
+    dims = tuple(i for i in range(g.dim()) if i != g.dim() - 2)
+    return (-g.sum(dims)).to(sink.dtype)
 
 
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
                    alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   seqused_k, backend):
+                   seqused_k, backend, sink=None):
+    """(dq, dk, dv, dsink): dsink None without a sink."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, None)
     dropout = (dropout_p, rng) if dropout_p > 0 else None
+    delta = None
     if backend == "triton":
         from flashtile.ops.backward import attention_backward
 
-        return attention_backward(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right),
-                                  softcap, alibi_slopes, varlen=varlen, dropout=dropout)
-    window = _window(window_left, window_right)
-    if varlen is not None:
-        from flashtile.reference import varlen as reference_varlen
+        delta = None if sink is None else torch.empty_like(lse)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right),
+                                        softcap, alibi_slopes, varlen=varlen, dropout=dropout, delta=delta)
+    else:
+        window = _window(window_left, window_right)
+        if varlen is not None:
+            from flashtile.reference import varlen as reference_varlen
 
-        return reference_varlen.backward(dout, q, k, v, out, lse, varlen, softmax_scale, window, softcap,
-                                         alibi_slopes, dropout)
-    from flashtile.reference import fa2
-    from flashtile.reference.dropout import DropoutMask
+            dq, dk, dv = reference_varlen.backward(dout, q, k, v, out, lse, varlen, softmax_scale, window, softcap,
+                                                   alibi_slopes, dropout)
+        else:
+            from flashtile.reference import fa2
+            from flashtile.reference.dropout import DropoutMask
 
-    mask = None if dropout is None else DropoutMask(dropout_p, rng, q.shape[2], range(q.shape[0]))
-    dq, dk, dv = fa2.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window,
-                              softcap=softcap, alibi_slopes=alibi_slopes, dropout=mask)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            mask = None if dropout is None else DropoutMask(dropout_p, rng, q.shape[2], range(q.shape[0]))
+            dq, dk, dv = fa2.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, dropout=mask)
+            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if sink is not None:
+            delta = _by_head(dout.float() * out.float()).sum(-1)  # rowsum(dO * O), shaped like lse
+    return dq, dk, dv, None if sink is None else sink_grad(sink, lse, delta)
 
 
 @torch.library.custom_op("flashtile::attention_fwd", mutates_args=())
@@ -88,14 +123,15 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
                   alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng: Optional[torch.Tensor],
                   cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                   max_seqlen_q: int, max_seqlen_k: int, seqused_k: Optional[torch.Tensor],
-                  block_table: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_table: Optional[torch.Tensor], backend: str,
+                  sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
-                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend)
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
-      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend):
+      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink):
     h = q.shape[-2]
     lse_shape = (q.shape[0], h, q.shape[1]) if cu_seqlens_q is None else (h, q.shape[0])
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
@@ -108,18 +144,22 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng: Optional[torch.Tensor],
                   cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                   max_seqlen_q: int, max_seqlen_k: int, seqused_k: Optional[torch.Tensor],
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
-                          alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, seqused_k, backend)
+                  backend: str, sink: Optional[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink); a custom op returns tensors only, so dsink is empty without a sink."""
+    dq, dk, dv, dsink = _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
+                                       alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, seqused_k, backend, sink)
+    return dq, dk, dv, q.new_empty(0) if dsink is None else dsink
 
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-      rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, backend):
+      rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, backend, sink):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+        torch.empty_like(v, memory_format=torch.contiguous_format), \
+        q.new_empty(0) if sink is None else torch.empty_like(sink)
 
 
 def _refuse_paged():
@@ -129,36 +169,37 @@ def _refuse_paged():
 
 
 def _grads(dout, saved, args, extra, backward):
-    """(dq, dk, dv) through `backward` (the custom op while compiling, its implementation in eager
-    mode) from what the forward kept: saved = (q, k, v, out, lse, alibi_slopes), args = (scale,
-    window_left, window_right, softcap, backend), extra = (dropout_p, rng, Varlen)."""
-    q, k, v, out, lse, alibi_slopes = saved
+    """(dq, dk, dv, dsink) through `backward` (the custom op while compiling, its implementation in
+    eager mode) from what the forward kept: saved = (q, k, v, out, lse, alibi_slopes, sink), args =
+    (scale, window_left, window_right, softcap, backend), extra = (dropout_p, rng, Varlen)."""
+    q, k, v, out, lse, alibi_slopes, sink = saved
     softmax_scale, window_left, window_right, softcap, backend = args
     dropout_p, rng, varlen = extra
     if varlen.block_table is not None:
         _refuse_paged()
     # dlse is not propagated: the LSE is returned for inspection/merging, like flash-attn.
     return backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                    dropout_p, rng, *varlen[:5], backend)
+                    dropout_p, rng, *varlen[:5], backend, sink)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
-     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend) = inputs
+     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, rng, cu_seqlens_q, cu_seqlens_k, seqused_k)
     ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
     ctx.scalars = (dropout_p, max_seqlen_q, max_seqlen_k, block_table is not None)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sink, rng, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
     dropout_p, max_seqlen_q, max_seqlen_k, paged = ctx.scalars
     if paged:
         _refuse_paged()
     varlen = _checks.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    grads = _grads(dout, (q, k, v, out, lse, alibi_slopes), ctx.args, (dropout_p, rng, varlen), attention_bwd)
-    return (*grads,) + (None,) * 14
+    dq, dk, dv, dsink = _grads(dout, (q, k, v, out, lse, alibi_slopes, sink), ctx.args, (dropout_p, rng, varlen),
+                               attention_bwd)
+    return (dq, dk, dv) + (None,) * 14 + (None if sink is None else dsink,)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -173,11 +214,12 @@ class _Attention(torch.autograd.Function):
     backward than 10, measured with the launches stubbed)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, extra, backend):
+    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, extra, backend,
+                sink):
         dropout_p, rng, varlen = extra
         out, lse = _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                            rng, *varlen, backend)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+                            rng, *varlen, backend, sink)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink)
         ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
         ctx.extra = extra  # index and seed tensors only: nothing that needs a gradient
         ctx.mark_non_differentiable(lse)
@@ -185,22 +227,25 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = _grads(dout, ctx.saved_tensors, ctx.args, ctx.extra, _backward_impl)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv, dsink = _grads(dout, ctx.saved_tensors, ctx.args, ctx.extra, _backward_impl)
+        return dq, dk, dv, None, None, None, None, None, None, None, dsink
 
 
 def attention(q, k, v, softmax_scale: float, window_left: Optional[int], window_right: Optional[int],
               softcap: float, alibi_slopes: Optional[torch.Tensor], backend: str, dropout_p: float = 0.0,
-              rng: Optional[torch.Tensor] = None, varlen: Optional[_checks.Varlen] = None):
+              rng: Optional[torch.Tensor] = None, varlen: Optional[_checks.Varlen] = None,
+              sink: Optional[torch.Tensor] = None):
     """(out, lse) with autograd: the custom op while torch.compile traces, _Attention otherwise.
 
     dropout_p > 0 needs rng, the (2,) int64 Philox seed (reference.dropout.draw_rng), saved for the
     backward so it regenerates the forward's mask. varlen: a checked packed batch (q (total_q, h, d)
-    and so on; lse is then (h, total_q))."""
+    and so on; lse is then (h, total_q)). sink: the attention sink, (h,) contiguous, or None; it
+    gets a gradient like q."""
     if torch.compiler.is_compiling():
         vl = varlen if varlen is not None else _NO_EXTRA[2]
         return attention_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                             float(dropout_p), rng, *vl, backend)
+                             float(dropout_p), rng, *vl, backend, sink)
     extra = _NO_EXTRA if dropout_p == 0 and varlen is None else \
         (float(dropout_p), rng, varlen if varlen is not None else _NO_EXTRA[2])
-    return _Attention.apply(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, extra, backend)
+    return _Attention.apply(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, extra, backend,
+                            sink)

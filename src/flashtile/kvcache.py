@@ -66,12 +66,14 @@ class _Cache:
         attend q (batch, seqlen_q, nheads, head_dim) over everything cached.
 
         kwargs are flash_attn_with_kvcache's (causal, window_size, rotary_cos, ...,
-        return_softmax_lse). Lengths do not move until advance(): every layer of one step appends
-        at the same positions, with the step's plan (made by the first layer's call).
+        return_softmax_lse, learnable_sink: this layer's attention sink). Lengths do not move until
+        advance(): every layer of one step appends at the same positions, with the step's plan
+        (made by the first layer's call).
         """
         return_lse = kwargs.pop("return_softmax_lse", False)
+        sink = kwargs.pop("learnable_sink", None)  # per layer: a run argument, not a plan's
         plan = self.plan(q, k.shape[1], **kwargs)
-        return plan.run(q, self._k[layer], self._v[layer], k, v, return_softmax_lse=return_lse)
+        return plan.run(q, self._k[layer], self._v[layer], k, v, return_softmax_lse=return_lse, learnable_sink=sink)
 
     def advance(self, n=1) -> None:
         """Count n new tokens in every sequence (an int) or n[i] in sequence i (a list of ints).

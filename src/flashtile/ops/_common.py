@@ -342,3 +342,19 @@ def scores_log2(qk, i, j, qk_scale, softcap, slope, diag_offset,
         dist = tl.abs(i + diag_offset - j).to(tl.float32)
         s2 = s2 - (slope * LOG2E) * dist
     return s2, dcap
+
+
+@triton.jit
+def fold_sink(acc, l_i, m_i, Sink, heads):
+    """Add the attention sink to a finished online softmax: one more key per row, of logit
+    Sink[heads] (natural log, any float dtype; heads a scalar or one head per row) and no value.
+
+    (acc, l_i, m_i) in the log2 domain as the loops leave them (acc unnormalised, l_i = sum of
+    exp2(s2 - m_i), m_i = -inf for a row that saw no key) -> the same three with the sink in l_i:
+    the caller's epilogue is unchanged, and a row that saw no key gets out = 0 and lse = sink.
+    """
+    sink2 = tl.load(Sink + heads).to(tl.float32) * LOG2E
+    m_new = tl.maximum(m_i, sink2)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf on an empty row: stays empty
+    alpha = tl.exp2(m_i - m_sub)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink2 - m_sub), m_new

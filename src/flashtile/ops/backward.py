@@ -428,13 +428,15 @@ def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
                        softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None, varlen=None,
-                       dropout=None):
+                       dropout=None, delta=None):
     """Launch the backward. Shapes and varlen / dropout as ops.forward.attention_forward (varlen
     without block_table); lse as it returned.
 
     Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group), bitwise
     reproducible; written into the given dq/dk/dv when passed (e.g. views of one packed gradient
-    buffer). Keys past seqused_k get zero gradients.
+    buffer). Keys past seqused_k get zero gradients. delta: where to leave delta = rowsum(dO * O),
+    shaped like lse (the attention sink's gradient is made of it: autograd.sink_grad); by default
+    a buffer of its own.
     """
     if varlen is not None and varlen.block_table is not None:
         raise ValueError("the backward reads contiguous k/v: gather the pages first (the API does)")
@@ -460,7 +462,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         return dq, dk, dv
 
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
-    delta = torch.empty_like(lse)
+    delta = torch.empty_like(lse) if delta is None else delta
     if cfg.fused:  # both kinds of programs read delta at once: computed first
         pre = configs.delta_config(d, q.device)
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows

@@ -9,6 +9,10 @@ Three kernels, each a plain stream over HBM:
   _combine_kernel  out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s (seed 004's
                    kernel 2); splits with lse = -inf (nothing seen) contribute nothing
 
+An attention sink (HAS_SINK: a per-head logit with no value) joins each row once: in the split
+kernel's epilogue with one split, else as the merge's starting state (out 0, lse = the sink) -
+never once per split.
+
 Positions: a batch row b attends logical keys j in [0, seqlen_k) with
 seqlen_k = cache_seqlens[b] - leftpad[b] + seqlen_new (flash-attn 2.x); key j lives in cache row
 leftpad[b] + j ("physical" position), in page block_table[b, pos // page_size] when paged. The KV
@@ -32,8 +36,8 @@ import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
-from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, kernel_scale, scores_log2,
-                                   visible)
+from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, fold_sink, kernel_scale,
+                                   scores_log2, visible)
 
 
 @triton.jit
@@ -132,7 +136,7 @@ def _append_kernel(
 
 @triton.jit(do_not_specialize=_LENGTHS)
 def _split_kernel(
-    Q, K, V, Out, Lse, OutF, LseF, Arrivals, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
+    Q, K, V, Out, Lse, OutF, LseF, Arrivals, Sink, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -148,7 +152,7 @@ def _split_kernel(
     HAS_SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Attention of one (batch, kv head, M block) over one split of its keys.
 
@@ -158,7 +162,8 @@ def _split_kernel(
     stride_ls = 0): both get the normalised output and the natural-log LSE, -inf for empty rows.
     With FUSED_COMBINE the last program of a (batch, kv head, M block) to finish its split merges
     every split's partial into OutF (b, sq, h, d) and LseF (b, h, sq) (_merge_splits): Arrivals
-    holds one zeroed int32 counter per (batch, kv head, M block), and is left zeroed.
+    holds one zeroed int32 counter per (batch, kv head, M block), and is left zeroed. HAS_SINK:
+    Sink (h,) is added to the final rows (one split's, or the fused merge's), not to partials.
 
     The API checks the index values whenever it can read them; under CUDA-graph capture it cannot,
     so every index is clamped into the tensors it addresses: cache_seqlens to [0, capacity],
@@ -280,6 +285,9 @@ def _split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINK:
+        if num_splits == 1:  # these rows are final; partials get the sink in the merge
+            acc, l_i, m_i = fold_sink(acc, l_i, m_i, Sink, head)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -299,7 +307,7 @@ def _split_kernel(
         if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(arrivals, 0)  # zero again for the next launch
             out, lse = _merge_splits(out_tile, lse_tile, stride_os, stride_ls, num_splits, row_ok, row_mask,
-                                     BLOCK_M, BLOCK_D, MERGE_UNROLL)
+                                     Sink, head, BLOCK_M, BLOCK_D, MERGE_UNROLL, HAS_SINK)
             OutF = OutF + b.to(tl.int64) * stride_fb
             tl.store(OutF + (i * stride_fm + head * stride_fh)[:, None] + offs_d[None, :] * stride_fd,
                      out.to(OutF.dtype.element_ty), mask=row_mask)
@@ -307,15 +315,19 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask, Sink, heads,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, HAS_SINK: tl.constexpr):
     """(out (BLOCK_M, BLOCK_D), lse (BLOCK_M,)) of split 0's partial tile at OutP / LseP merged with
     the num_splits - 1 after it (strides stride_s / stride_ls): the combine's online merge on one
     program's tile of rows. UNROLL splits per step, so their loads are in flight together. The
     partials were written by other programs of this launch: loads bypass L1 (.cg), which is not
-    coherent across SMs."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    coherent across SMs. HAS_SINK: the merge starts from the sink Sink[heads] (out 0, lse = sink)."""
+    if HAS_SINK:
+        m = tl.load(Sink + heads).to(tl.float32)
+        l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, UNROLL):
         for t in tl.static_range(UNROLL):
@@ -340,18 +352,19 @@ def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask,
 
 @triton.jit
 def _combine_kernel(
-    OutP, LseP, Out, Lse, num_splits, n1, n2,
+    OutP, LseP, Out, Lse, Sink, num_splits, n1, n2,
     stride_ps, stride_p0, stride_p1, stride_p2, stride_pd,
     stride_qs, stride_q0, stride_q1, stride_q2,
     stride_o0, stride_o1, stride_o2, stride_od,
-    stride_l0, stride_l1, stride_l2,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_l0, stride_l1, stride_l2, stride_k0, stride_k1, stride_k2,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Merge the splits of one row (r0, r1, r2) over one BLOCK_D slice of its columns.
 
     Grid (rows, cdiv(d, BLOCK_D)) with rows = n0 * n1 * n2. Partials OutP (S, n0, n1, n2, d) and
     LseP (S, n0, n1, n2), any strides (the decode partials are (S, b, sq, h, d) and (S, b, h, sq),
     read through strides). An online merge over BLOCK_S splits at a time (usually one step).
+    HAS_SINK: the merge starts from the row's sink (out 0, lse = Sink at strides stride_k*).
     """
     row = tl.program_id(0)
     r0 = row // (n1 * n2)
@@ -362,8 +375,12 @@ def _combine_kernel(
     LseP = LseP + r0.to(tl.int64) * stride_q0 + r1 * stride_q1 + r2 * stride_q2
     OutP = OutP + r0.to(tl.int64) * stride_p0 + r1 * stride_p1 + r2 * stride_p2
 
-    m = tl.full([], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([], dtype=tl.float32)
+    if HAS_SINK:
+        m = tl.load(Sink + r0.to(tl.int64) * stride_k0 + r1 * stride_k1 + r2 * stride_k2).to(tl.float32)
+        l = tl.full([], 1.0, dtype=tl.float32)
+    else:
+        m = tl.full([], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
@@ -402,20 +419,22 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def prepare_combine(num_splits: int, d: int, rows: tuple, strides: tuple) -> Prepared:
+def prepare_combine(num_splits: int, d: int, rows: tuple, strides: tuple, has_sink: bool = False) -> Prepared:
     """The merge of partials (S, n0, n1, n2, d) / (S, n0, n1, n2) into out (n0, n1, n2, d) / lse
-    (n0, n1, n2), rows = (n0, n1, n2); strides = the four tensors' strides in those dim orders
-    (given apart from the tensors, so that a permuted layout needs no view). The call passes the
-    tensors (out_partial, lse_partial, out, lse) and no scalars."""
+    (n0, n1, n2), rows = (n0, n1, n2); strides = the four tensors' strides in those dim orders, and
+    the sink's over the rows (given apart from the tensors, so that a permuted or broadcast layout
+    needs no view). The call passes the tensors (out_partial, lse_partial, out, lse, sink or None)
+    and no scalars."""
     n0, n1, n2 = rows
     cfg = configs.combine_config(num_splits, d)
     return Prepared(_combine_kernel, (n0 * n1 * n2, cdiv(d, cfg.block_d)), (), (num_splits, n1, n2, *strides),
-                    cfg.num_warps, 3, HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d)
+                    cfg.num_warps, 3, HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d, HAS_SINK=has_sink)
 
 
-def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor):
+def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor, sink=None):
     """out_partial (S, *, d) fp16/bf16/fp32, lse_partial (S, *) fp32 -> out (*, d) in out_partial's
-    dtype, lse (*) fp32 (the public merge_attention_states, checked by the API)."""
+    dtype, lse (*) fp32 (the public merge_attention_states, checked by the API); sink: None or a
+    float tensor broadcastable to (*), added once."""
     num_splits, d = out_partial.shape[0], out_partial.shape[-1]
     lead = tuple(out_partial.shape[1:-1])
     out = torch.empty(lead + (d,), dtype=out_partial.dtype, device=out_partial.device)
@@ -426,8 +445,11 @@ def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor):
     # flatten * into one row axis; reshape copies only when * cannot be viewed as one axis
     o_part, l_part = out_partial.reshape(num_splits, n, d), lse_partial.reshape(num_splits, n)
     (ps, pn, pd), (qs, qn) = o_part.stride(), l_part.stride()
-    merge = prepare_combine(num_splits, d, (n, 1, 1), (ps, pn, 0, 0, pd, qs, qn, 0, 0, d, 0, 0, 1, 1, 0, 0))
-    merge((o_part, l_part, out, lse), ())
+    if sink is not None:
+        sink = torch.broadcast_to(sink, lead).reshape(n)
+    merge = prepare_combine(num_splits, d, (n, 1, 1), (ps, pn, 0, 0, pd, qs, qn, 0, 0, d, 0, 0, 1, 1, 0, 0,
+                                                       0 if sink is None else sink.stride(0), 0, 0), sink is not None)
+    merge((o_part, l_part, out, lse, sink), ())
     return out, lse
 
 
@@ -445,6 +467,7 @@ class DecodeLaunch(NamedTuple):
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
     arrivals: dict  # fused: CUDA stream -> that stream's zeroed int32 counters, one per split row
     unread: dict  # "lse" -> where calls that do not return the LSE let the kernels write it
+    has_sink: bool  # the calls pass an attention sink (h,)
 
 
 def _seqlens_args(cache_seqlens):
@@ -460,7 +483,7 @@ def _stride0(t) -> int:
 
 def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seqlen_new, cache_seqlens,
          cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
-         softmax_scale, window, softcap, num_splits, max_keys, own_partials) -> DecodeLaunch:
+         softmax_scale, window, softcap, num_splits, max_keys, own_partials, has_sink=False) -> DecodeLaunch:
     """The launches of a checked decoding call: new k/v appended, then split-KV attention of q over
     the cache, then the merge of the splits.
 
@@ -472,7 +495,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     num_splits = 0 asks configs.decode_num_splits, given max_keys (the longest key range known on
     the host, else None: the capacity). own_partials: allocate the split partials now, shared by
     every call of the plan (the calls must then run in order on one stream, as a model's layers
-    do); otherwise each call allocates its own.
+    do); otherwise each call allocates its own. has_sink: every call passes an attention sink.
     """
     group = h // hk
     left, right = window
@@ -526,7 +549,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
         (ob, om, oh, od), (lb, lh, lm) = out_strides, lse_strides
         if not fused:
             combine = prepare_combine(num_splits, d, (b, sq, h), (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od,
-                                                                   lb, lm, lh))
+                                                                   lb, lm, lh, 0, 0, 1), has_sink)
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     split = None
     if b > 0:
@@ -541,8 +564,9 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
             HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
-            MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, **flags)
-    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, partials, sizes, {}, {})
+            MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, **flags)
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, partials, sizes, {}, {},
+                        has_sink)
 
 
 def append_kv(p: DecodeLaunch, k, v, k_cache, v_cache) -> None:
@@ -563,10 +587,13 @@ def _arrivals(p: DecodeLaunch, device) -> torch.Tensor:
     return counters
 
 
-def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True):
+def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True, sink=None):
     """Attention of q over the cache (new keys already appended) -> out (b, sq, h, d) in q's dtype,
     and lse (b, h, sq) fp32, or None when not want_lse: the kernels then write the LSE into a buffer
-    the plan keeps for that and nobody reads (one allocation less per call)."""
+    the plan keeps for that and nobody reads (one allocation less per call). sink: the attention
+    sink (h,) contiguous, given exactly when the plan was made with has_sink."""
+    if (sink is not None) != p.has_sink:
+        raise ValueError(f"this decoding launch was planned {'with' if p.has_sink else 'without'} an attention sink")
     device = q.device
     out = torch.empty(p.out_shape, dtype=q.dtype, device=device)
     if want_lse:
@@ -585,7 +612,7 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True
         o_buf = torch.empty(p.partial_sizes[0], dtype=torch.float32, device=device)
         l_buf = o_buf[p.partial_sizes[1]:]
     finals = (out, lse, _arrivals(p, device)) if p.fused else (None, None, None)
-    p.split((q, k_cache, v_cache, o_buf, l_buf, *finals), (*q.stride(), *k_cache.stride(), *v_cache.stride()))
+    p.split((q, k_cache, v_cache, o_buf, l_buf, *finals, sink), (*q.stride(), *k_cache.stride(), *v_cache.stride()))
     if p.combine is not None:
-        p.combine((o_buf, l_buf, out, lse), ())
+        p.combine((o_buf, l_buf, out, lse, sink), ())
     return out, lse if want_lse else None

@@ -12,6 +12,9 @@ Flags of the same kernel (constexprs: off, they compile to the dense kernel's co
                paged cache
   HAS_DROPOUT  P is multiplied by a Philox keep-mask (ops._common.dropout_keep) before P V; the
                row sum l and the LSE are those of the softmax before dropout, as in flash-attn
+  HAS_SINK     the attention sink (a per-head logit with no value, gpt-oss) joins each row's sum
+               once, after the loop (ops._common.fold_sink); the backward needs no flag of its own:
+               P recomputed from this LSE is the sink's softmax already
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, dropout_keep,
-                                   dropout_seed, head_dim_mask, kernel_scale, load_tile_pair, lse_row_base, page_of,
+                                   dropout_seed, fold_sink, head_dim_mask, kernel_scale, load_tile_pair, lse_row_base, page_of,
                                    q_block_program, scores_log2, seq_bounds, visible)
 
 
@@ -76,7 +79,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, di
 @triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "max_pages", "num_pages", "left",
                                "right", "threshold", "head_dim"])
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, CuSeqQ, CuSeqK, SeqUsedK, BlockTable, Rng,
+    Q, K, V, Out, Lse, Slopes, CuSeqQ, CuSeqK, SeqUsedK, BlockTable, Rng, Sink,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -88,7 +91,7 @@ def _fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, HAS_RIGHT)
     q_start, sq, k_start, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k,
@@ -148,7 +151,9 @@ def _fwd_kernel(
                                   threshold, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                   HAS_ALIBI, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
 
-    # Rows that saw no key: l = 0 -> output 0 and LSE = -inf (log of an empty sum).
+    if HAS_SINK:
+        acc, l_i, m_i = fold_sink(acc, l_i, m_i, Sink, h)
+    # Rows that saw no key (nor a sink): l = 0 -> output 0 and LSE = -inf (log of an empty sum).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     if HAS_DROPOUT:
@@ -203,13 +208,14 @@ def dropout_args(dropout) -> tuple:
 
 
 def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: float = 0.0,
-                      alibi_slopes=None, out=None, varlen=None, dropout=None):
+                      alibi_slopes=None, out=None, varlen=None, dropout=None, sink=None):
     """Launch the forward. q (b, sq, h, d), k/v (b, sk, hk, d), any strides, fp16/bf16/fp32; or
     with varlen (a checked _checks.Varlen) q (total_q, h, d) and k/v (total_k, hk, d) or pages.
 
     window = (left, right), None for an unbounded side (causal is right = 0; right may be negative,
     as torch's top-left causal needs when sq < sk). dropout = (p, rng): drop probability and the
-    (2,) int64 Philox seed tensor (reference.dropout.draw_rng). Returns out shaped like q in q's
+    (2,) int64 Philox seed tensor (reference.dropout.draw_rng). sink: the attention sink, (h,)
+    contiguous, any float dtype, natural log, or None. Returns out shaped like q in q's
     dtype (written into `out` when given) and lse, float32, natural log: (b, h, sq), or (h,
     total_q) with varlen.
     """
@@ -234,7 +240,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     left, right = window
     if b * sq == 0:
         return out, lse
-    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng),
+    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
             stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
             qk_scale, softcap, threshold, dropout_scale, d),
@@ -242,5 +248,5 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
            BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=left is not None,
            HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
            EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype), HAS_DROPOUT=has_dropout,
-           **vl_flags)
+           HAS_SINK=sink is not None, **vl_flags)
     return out, lse

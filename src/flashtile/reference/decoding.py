@@ -10,6 +10,9 @@ exactly (`merge`):
 A chunk that sees no key has L_s = -inf and weight 0; a row where every chunk is empty gets O = 0
 and L = -inf, like a fully masked row of `naive`. `merge` is also the CPU path of the public
 `merge_attention_states`, so it takes any leading shape.
+
+An attention sink (a logit t with no value, gpt-oss) is one more piece: O = 0, L = t. It joins once,
+after the pieces are merged (`add_sink`), never once per piece.
 """
 
 from __future__ import annotations
@@ -65,13 +68,24 @@ def split_partials(q, k, v, num_splits=1, softmax_scale=None, causal=False, wind
     return torch.stack(outs), torch.stack(lses)
 
 
-def merge(out_partial, lse_partial, counter=None):
+def add_sink(out, lse, sink):
+    """Fold the attention sink into finished attention: out (*, d) and lse (*) over some keys, and
+    one more key of logit `sink` (broadcastable to lse's shape) with no value. Returns (out * exp(lse -
+    lse'), lse') with lse' = logaddexp(lse, sink), in the inputs' dtypes: a row that saw no key
+    gets out 0 and lse = sink."""
+    new = torch.logaddexp(lse, sink.to(lse.dtype))
+    w = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - finite_or_zero(new)))  # (*)
+    return (out * w[..., None].to(out.dtype)).to(out.dtype), new
+
+
+def merge(out_partial, lse_partial, counter=None, sink=None):
     """Combine partial attention results exactly. Returns (out, lse).
 
     out_partial (S, *, d) and lse_partial (S, *) with the same leading shape, float dtypes, natural
     log; S >= 1. Computes in float32 (float64 if either input is float64). out (*, d) in
     out_partial's dtype, lse (*) in lse_partial's dtype. Splits with lse -inf contribute nothing
-    (whatever their out holds); where every split is empty, out is 0 and lse -inf.
+    (whatever their out holds); where every split is empty, out is 0 and lse -inf. sink: the
+    attention sink's logit, broadcastable to (*), added once (`add_sink`), or None.
     """
     if not isinstance(out_partial, torch.Tensor):
         raise TypeError(f"out_partial must be a torch.Tensor, got {type(out_partial).__name__}")
@@ -95,6 +109,8 @@ def merge(out_partial, lse_partial, counter=None):
     O_s = torch.where(w[..., None] > 0, out_partial.to(dtype), 0.0)  # (S, *, d) empty splits dropped
     out = (w[..., None] * O_s).sum(0) / nonzero(w_sum)[..., None]  # (*, d)
     lse = L_max + torch.log(w_sum)  # (*), log 0 = -inf where every split is empty
+    if sink is not None:
+        out, lse = add_sink(out, lse, sink)
     io.write(out, lse)
     return out.to(out_partial.dtype), lse.to(lse_partial.dtype)
 

@@ -58,11 +58,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                           compute_dtype=None):
+                           compute_dtype=None, learnable_sink=None):
     """Arguments as flash_attn_with_kvcache (checked by the caller). Writes k/v into the cache.
 
     Returns out (b, sq, h, d) in compute_dtype (q's dtype when None) and lse (b, h, sq) float32
-    (float64 when computing in float64), -inf for rows that see no key.
+    (float64 when computing in float64), -inf for rows that see no key (the sink's logit with
+    learnable_sink (h,)).
     """
     b, sq, h, d = q.shape
     cdt = compute_dtype or q.dtype
@@ -93,7 +94,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[bi]
         out, lse = naive.attention(qb, keys, values, softmax_scale, causal, window_size, softcap,
-                                   slopes, compute_dtype=cdt)
+                                   slopes, compute_dtype=cdt, learnable_sink=learnable_sink)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -2,7 +2,9 @@
 
 Layout is flash-attn's BSHD: q (b, sq, h, d), k and v (b, sk, hk, d) with h % hk == 0. Everything in
 the API contract is here: bottom-right aligned causal and sliding-window masks, softcap, ALiBi,
-GQA/MQA, dropout given an explicit keep-mask, softmax scale, and the log-sum-exp of each row.
+GQA/MQA, dropout given an explicit keep-mask, softmax scale, the attention sink (a per-head logit
+with no value that joins every row's softmax: the softmax over the scores with a sink column
+appended, then dropped), and the log-sum-exp of each row (the sink's included).
 
 `compute_dtype=torch.float64` gives the oracle; `compute_dtype=None` computes the way a plain PyTorch
 user would in the input dtype (matmuls in that dtype, softmax in float32), which is the baseline of
@@ -10,7 +12,8 @@ the 2x rule (DESIGN.md, Numerics).
 
 The backward is written out, not left to autograd:
     dV = P_drop^T dO,   dP = (dO V^T) * Z / (1 - p),   delta = rowsum(dO * O),
-    dS = P * (dP - delta),   then through softcap, dQ = scale * dS K,   dK = scale * dS^T Q.
+    dS = P * (dP - delta),   then through softcap, dQ = scale * dS K,   dK = scale * dS^T Q,
+    and with a sink t: d t = -sum over batch and rows of exp(t - lse) * delta (its column's dS).
 """
 
 from __future__ import annotations
@@ -91,16 +94,19 @@ def _scores(qh, kh, scale, window, softcap, alibi_slopes, shape):
     return s, ok, tanh
 
 
-def _softmax(s: torch.Tensor, ok: torch.Tensor):
-    """P and LSE of masked scores; rows that see no key get P = 0 and LSE = -inf."""
+def _softmax(s: torch.Tensor, ok: torch.Tensor, sink=None):
+    """P and LSE of masked scores (b, h, sq, sk), with the sink (h,) in the sum when given; rows
+    that see no key get P = 0 and LSE = -inf (the sink's logit with a sink)."""
     lse = torch.logsumexp(s, dim=-1)  # (b, h, sq); -inf on empty rows
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink.to(lse.dtype)[:, None])
     p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
     p = p.masked_fill(~ok, 0.0)
     return p, lse
 
 
 def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, dropout_mask=None, compute_dtype=None):
+              alibi_slopes=None, dropout_p=0.0, dropout_mask=None, compute_dtype=None, learnable_sink=None):
     """Attention with S and P materialised. Returns (out, lse).
 
     q (b, sq, h, d), k and v (b, sk, hk, d), any float dtype. dropout_mask (b, h, sq, sk) bool marks
@@ -108,13 +114,15 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
     to within 1e-5; reference.dropout.DropoutMask.full gives the kernels' mask). out is
     (b, sq, h, d) in compute_dtype
     (the input dtype when None); lse is (b, h, sq), float32 (float64 when computing in float64),
-    natural log, -inf on rows that see no key (their output is 0).
+    natural log, -inf on rows that see no key (their output is 0). learnable_sink: None or (h,),
+    the sink's logit per head (differentiable: the oracle's d(sink) comes from autograd); a row
+    that sees no key then has lse = the sink.
     """
     shape, scale, window, softcap, dropout_p, qh, kh, vh = _prepare(
         q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
         compute_dtype)
     s, ok, _ = _scores(qh, kh, scale, window, softcap, alibi_slopes, shape)
-    p, lse = _softmax(s, ok)
+    p, lse = _softmax(s, ok, learnable_sink)
     if dropout_mask is not None:
         p = p * (dropout_mask.to(p.dtype) * _checks.dropout_threshold(dropout_p)[1])
     out = p.to(vh.dtype) @ vh  # (b, h, sq, d)
@@ -123,8 +131,9 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
 
 def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
-                       compute_dtype=None):
-    """The written-out backward: returns (dq, dk, dv) shaped like q, k, v, in compute_dtype.
+                       compute_dtype=None, learnable_sink=None):
+    """The written-out backward: returns (dq, dk, dv) shaped like q, k, v, in compute_dtype, and
+    with learnable_sink (h,) also d(sink) (h,) in the softmax dtype.
 
     dk and dv are summed over the query heads that share a key/value head (GQA/MQA).
     """
@@ -134,7 +143,7 @@ def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, window_s
     b, sq, sk, h, hk, d = shape
     doh = dout.transpose(1, 2).to(qh.dtype)  # (b, h, sq, d)
     s, ok, tanh = _scores(qh, kh, scale, window, softcap, alibi_slopes, shape)
-    p, _ = _softmax(s, ok)  # (b, h, sq, sk)
+    p, lse = _softmax(s, ok, learnable_sink)  # (b, h, sq, sk)
     keep = 1.0 if dropout_mask is None else dropout_mask.to(p.dtype) * _checks.dropout_threshold(dropout_p)[1]
     p_drop = p * keep
     out = p_drop.to(vh.dtype) @ vh  # (b, h, sq, d)
@@ -150,4 +159,8 @@ def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, window_s
     # sum over each kv head's group of query heads
     dk = dk.view(b, hk, h // hk, sk, d).sum(2)
     dv = dv.view(b, hk, h // hk, sk, d).sum(2)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    grads = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    if learnable_sink is None:
+        return grads
+    t = learnable_sink.to(lse.dtype)[:, None]  # (h, 1)
+    return (*grads, -(torch.exp(t - lse) * delta[..., 0]).sum((0, 2)))
