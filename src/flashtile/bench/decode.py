@@ -11,6 +11,8 @@ at (64, 8192), one new query token per sequence. Implementations, in one process
   flashtile          Flash-Decoding, num_splits from configs.decode_num_splits
   flashtile-plan     the same through a DecodePlan made once per shape (a serving loop's per-layer call)
   flashtile-page16/64  the same cache as pages of 16 / 64 tokens handed out in a random order
+  flashtile-sink     flashtile with an attention sink (learnable_sink, gpt-oss), checked against
+                     flashtile's output and LSE without one, the sink folded in by hand
 Then speculative decoding / chunked prefill: SQ query rows per sequence (GQA packing puts sq x 8
 rows in one tile), causal to the cache's end, against SDPA with torch's bottom-right causal mask,
 on SQ_SHAPES.
@@ -35,6 +37,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 
 import torch
@@ -46,7 +49,7 @@ LLAMA_SHAPE = (64, 8192)
 SQ_SHAPES = ((16, 4096, 16, 2), (64, 8192, 32, 8))  # (batch, context, nheads, nheads_k) of the sq > 1 rows
 SQ = (2, 4, 8, 16)
 IMPLS = ("read-floor", "eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-plan",
-         "flashtile-page16", "flashtile-page64")
+         "flashtile-page16", "flashtile-page64", "flashtile-sink")
 SQ_IMPLS = ("sdpa-gqa", "flashtile", "flashtile-plan")  # the peers of the sq > 1 rows
 ROTATION_BYTES = 640 * 2**20
 HEADDIM = 128
@@ -170,14 +173,30 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
                                     seqlen_q=sq, causal=causal, num_splits=auto)
         return (lambda q, k, v: plan.run(q, k, v)), None
 
+    sink = torch.randn(h, device=DEVICE) + math.log(context)  # a real share of each row
+
+    def with_sink(q, k, v):
+        return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal, num_splits=auto,
+                                                 learnable_sink=sink)
+
+    def sink_check(q, k, v) -> float:  # against the no-sink call with the sink folded in by hand
+        out, lse = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal,
+                                                     num_splits=auto, return_softmax_lse=True)
+        new = torch.logaddexp(lse, sink[:, None])
+        want = out.float() * torch.exp(lse - new).transpose(1, 2)[..., None]
+        return float((with_sink(q, k, v).float() - want).abs().max())
+
     return {"read-floor": (_read_floor, None), "eager": (_eager, None), "sdpa-gqa": (_sdpa_gqa, None),
             "sdpa-expanded": (_sdpa_expanded, None), "flashtile-nosplit": flash(1),
             "flashtile": flash(auto), "flashtile-plan": planned(), "flashtile-page16": flash(auto, 16),
-            "flashtile-page64": flash(auto, 64)}
+            "flashtile-page64": flash(auto, 64), "flashtile-sink": (with_sink, sink_check)}
 
 
 def _check(fn, logical, q, k, v) -> float:
-    """max |fn - the reference| on the logical cache behind k, v."""
+    """max |fn - the reference| on the logical cache behind k, v; logical is None (k, v as they
+    are), a gather (the paged rows) or, for the sink row, its own check."""
+    if getattr(logical, "__name__", "") == "sink_check":
+        return logical(q, k, v)
     ref = _reference(q, k, v) if logical is None else _reference(q, logical(k), logical(v))
     return float((fn(q, k, v).float() - ref.float()).abs().max())
 

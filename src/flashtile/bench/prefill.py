@@ -11,7 +11,11 @@ prefill.png / prefill_memory.png from the json, `--no-plot` skips them.
 
 Sections (`--sections`, default all): `dense` (the grid above), `varlen` (a packed batch of mixed
 lengths against the same tokens padded and run dense, and against the ideal: each sequence at the
-dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flashtile and SDPA-flash).
+dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flashtile and SDPA-flash),
+`sink` (an attention sink, learnable_sink, against none: flashtile, and FlashAttention-4 when
+`flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine). A run of
+some sections keeps the other sections' rows of an existing prefill.json (with the environment
+they were measured in, under "envs").
 """
 
 from __future__ import annotations
@@ -241,22 +245,105 @@ def run_dropout(args, dtype, result, path):
                         harness.write_result(path, result, quiet=True)
 
 
+def _kept(path: str | None, sections) -> tuple[list, dict]:
+    """(rows, envs) of an existing result file's other sections: rows from the sections not run
+    now, and the environment each of those sections was measured in."""
+    if not path or not os.path.exists(path):
+        return [], {}
+    with open(path) as f:
+        old = json.load(f)
+    rows = [r for r in old["rows"] if r.get("section", "dense") not in sections]
+    envs = {sec: env for sec, env in old.get("envs", {}).items() if sec not in sections}
+    for r in rows:
+        envs.setdefault(r.get("section", "dense"), old["env"])
+    return rows, envs
+
+
 def run(args, path: str | None = None) -> dict:
     """Every (d, causal, seqlen, peer) row of the sections asked for; with `path`, the result file
-    is rewritten after each row ("complete": false until the end), so a run stopped by a time limit
+    is rewritten after every row ("complete": false until the end), so a run stopped by a time limit
     still leaves its rows."""
     dtype = getattr(torch, args.dtype)
-    rows = []
-    result = {"env": harness.environment(), "ceilings": harness.ceilings(), "dtype": args.dtype,
+    rows, envs = _kept(path, args.sections)
+    env = harness.environment()
+    envs.update({sec: env for sec in args.sections})
+    result = {"env": env, "envs": envs, "ceilings": harness.ceilings(), "dtype": args.dtype,
               "tokens": args.tokens, "complete": False, "rows": rows}
     if "varlen" in args.sections:
         run_varlen(args, dtype, result, path)
     if "dropout" in args.sections:
         run_dropout(args, dtype, result, path)
+    if "sink" in args.sections:
+        run_sink(args, dtype, result, path)
     if "dense" in args.sections:
         run_dense(args, dtype, result, path)
     result["complete"] = True
     return result
+
+
+def _fa4():
+    """FlashAttention-4's flash_attn_func (CuTe DSL) or None when it is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def run_sink(args, dtype, result, path):
+    """Forward and backward with an attention sink (learnable_sink (h,), its gradient included)
+    against none, causal, at args.sink_headdims x args.sink_seqlens: flashtile, and FlashAttention-4
+    with its bf16 learnable_sink when it imports. flashtile's sink output is checked against its
+    no-sink output and LSE with the sink folded in by hand (out * exp(lse - logaddexp(lse, t)))."""
+    import flashtile
+
+    fa4 = _fa4()
+    impls = {"flashtile": lambda q, k, v, t: flashtile.flash_attn_func(q, k, v, causal=True, learnable_sink=t)}
+    if fa4 is not None:
+        impls["fa4"] = lambda q, k, v, t: fa4(q, k, v, causal=True, learnable_sink=t)[0]
+    else:
+        print("sink: flash_attn.cute does not import; FlashAttention-4 rows skipped")
+    for d in args.sink_headdims:
+        for seqlen in args.sink_seqlens:
+            batch, nheads = args.tokens // seqlen, 2048 // d
+            f = flops(batch, nheads, seqlen, d, True)
+            q, k, v = (torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            dout = torch.randn_like(q)
+            sink = (torch.randn(nheads, device="cuda") + math.log(seqlen)).to(dtype).requires_grad_()
+            for name, fn in impls.items():
+                row = dict(section="sink", impl=name, d=d, causal=True, seqlen=seqlen, batch=batch, nheads=nheads)
+                try:
+                    for tag, t in (("no_sink", None), ("sink", sink)):
+                        inputs = (q, k, v) if t is None else (q, k, v, t)
+                        out = fn(q, k, v, t)
+                        fwd = harness.bench_ms(lambda: fn(q, k, v, t))
+                        bwd = harness.bench_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+                        row.update({f"fwd_ms_{tag}": fwd, f"bwd_ms_{tag}": bwd, f"fwd_tflops_{tag}": f / fwd * 1e-9,
+                                    f"bwd_tflops_{tag}": 2.5 * f / bwd * 1e-9})
+                        del out
+                except Exception as e:  # FA4 without a kernel for this case: record why
+                    row["error"] = repr(e)[:200]
+                    print(f"sink {name} d={d} s={seqlen}: {row['error']}")
+                    result["rows"].append(row)
+                    continue
+                if name == "flashtile":
+                    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+                    new = torch.logaddexp(lse, sink.detach().float()[:, None])
+                    want = out.float() * torch.exp(lse - new).transpose(1, 2)[..., None]
+                    row["max_err_vs_folded"] = float((fn(q, k, v, sink).float() - want).abs().max())
+                row["fwd_vs_no_sink"] = row["fwd_ms_sink"] / row["fwd_ms_no_sink"]
+                row["bwd_vs_no_sink"] = row["bwd_ms_sink"] / row["bwd_ms_no_sink"]
+                row["fwd_bwd_vs_no_sink"] = ((row["fwd_ms_sink"] + row["bwd_ms_sink"])
+                                             / (row["fwd_ms_no_sink"] + row["bwd_ms_no_sink"]))
+                result["rows"].append(row)
+                print(f"sink {name:9s} d={d:3d} s={seqlen:5d}: fwd {row['fwd_tflops_no_sink']:.0f} -> "
+                      f"{row['fwd_tflops_sink']:.0f}, bwd {row['bwd_tflops_no_sink']:.0f} -> "
+                      f"{row['bwd_tflops_sink']:.0f} TFLOP/s; fwd + bwd {row['fwd_bwd_vs_no_sink']:.3f}x")
+                if path:
+                    harness.write_result(path, result, quiet=True)
+            del q, k, v, dout, sink
+            torch.cuda.empty_cache()
 
 
 def run_dense(args, dtype, result, path):
@@ -329,7 +416,7 @@ def plot(json_path: str, out_dir: str) -> list[str]:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
     axes[0][0].legend(handles.values(), handles.keys())
-    env = data["env"]
+    env = data.get("envs", {}).get("dense", data["env"])  # the dense grid's run
     fig.suptitle(f"Prefill attention, {data['dtype']}, batch x seqlen = {data['tokens']}, "
                  f"nheads x d = 2048 — {env['gpu']}, torch {env['torch']}, triton {env['triton']}")
     fig.tight_layout()
@@ -377,7 +464,7 @@ def summary(json_path: str) -> str:
         cells.append(f"{r['peak_mem_mb']:.0f} / {fa2['peak_mem_mb']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += _section_summary(data)
-    env = data["env"]
+    env = data.get("envs", {}).get("dense", data["env"])  # the dense grid's run
     lines.append(f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
                  f"`{env['command']}`; ceilings: copy {data['ceilings']['copy_GBps']:.0f} GB/s, "
                  f"bf16 matmul {data['ceilings']['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
@@ -396,6 +483,14 @@ def _section_summary(data: dict) -> list[str]:
                       f"{r['fwd_vs_ideal']:.2f} / {r['bwd_vs_ideal']:.2f} of ideal. fwd + bwd against the "
                       f"padded batch run dense: {r['speedup_vs_flashtile_padded']:.2f}x flashtile, "
                       f"{r['speedup_vs_sdpa-flash_padded']:.2f}x SDPA-flash."]
+    sink = [r for r in data["rows"] if r.get("section") == "sink" and "fwd_bwd_vs_no_sink" in r]
+    if sink:
+        lines += ["", "| sink | impl | d | seqlen | fwd TFLOP/s no sink / sink | bwd TFLOP/s no sink / sink "
+                  "| fwd + bwd vs no sink |", "|---|---|---|---|---|---|---|"]
+        for r in sink:
+            lines.append(f"| causal | {r['impl']} | {r['d']} | {r['seqlen']} | {r['fwd_tflops_no_sink']:.0f} / "
+                         f"{r['fwd_tflops_sink']:.0f} | {r['bwd_tflops_no_sink']:.0f} / {r['bwd_tflops_sink']:.0f} "
+                         f"| {r['fwd_bwd_vs_no_sink']:.3f}x |")
     drop = [r for r in data["rows"] if r.get("section") == "dropout" and "fwd_bwd_vs_no_dropout" in r]
     if drop:
         lines += ["", "| dropout p | impl | d | causal | seqlen | fwd + bwd vs p = 0 |", "|---|---|---|---|---|---|"]
@@ -420,10 +515,12 @@ def main(argv=None) -> None:
     p.add_argument("--flex-headdims", type=_ints, default=[128],
                    help="FlexAttention compiles per shape; limit it to these head dims")
     p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
-    p.add_argument("--sections", type=lambda s: s.split(","), default=["dense", "varlen", "dropout"])
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["dense", "varlen", "dropout", "sink"])
     p.add_argument("--varlen-lengths", type=_ints, default=[128, 4096], help="lo,hi of the varlen section's lengths")
     p.add_argument("--dropout-p", type=float, default=0.1)
     p.add_argument("--dropout-seqlens", type=_ints, default=[4096])
+    p.add_argument("--sink-headdims", type=_ints, default=[64, 128])
+    p.add_argument("--sink-seqlens", type=_ints, default=[4096, 16384])
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true",
                    help="write prefill.json and prefill.md only (redraw later with --plot-only)")
