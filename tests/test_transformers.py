@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from packaging.version import Version
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,10 +38,22 @@ def _config(name: str):
     if name == "gemma2":  # sliding and full layers alternate; scores capped by tanh
         return transformers.Gemma2Config(**COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=30.0)
+    if name == "gpt_oss":  # attention sinks; sliding and full layers alternate; a mixture of 4 experts, 2 per token
+        _skip_without_gpt_oss()
+        return transformers.GptOssConfig(**COMMON, head_dim=16, sliding_window=4, num_local_experts=4,
+                                         num_experts_per_tok=2)
     raise ValueError(name)
 
 
-MODELS = ["llama", "mistral", "gemma2"]
+def _skip_without_gpt_oss():
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss (4.55 added it)")
+    if Version("5.0") <= Version(transformers.__version__) < Version("5.3"):
+        pytest.skip(f"transformers {transformers.__version__}'s GptOssConfig refuses every '...flash...' "
+                    f"attention but kernels-community/vllm-flash-attn3 (5.0 to 5.2)")
+
+
+MODELS = ["llama", "mistral", "gemma2", "gpt_oss"]
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +75,18 @@ def no_network(monkeypatch):
 
 def _model(name: str, attn: str = "flashtile"):
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(_config(name), attn_implementation=attn).eval()
+    model = transformers.AutoModelForCausalLM.from_config(_config(name), attn_implementation=attn).eval()
+    _spread_sinks(model)
+    return model
+
+
+def _spread_sinks(model) -> None:
+    """gpt-oss's sinks start as N(0, initializer_range): redrawn as N(0, 2) so that some heads give the
+    sink most of their weight and others almost none (test_sinks_move_the_logits checks they matter)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.copy_(2 * torch.randn(module.sinks.shape))
 
 
 def _padded_batch(side: str, lengths=(11, 6, 9)):
@@ -124,6 +148,9 @@ def test_register_is_idempotent():
         loader = None
     if getattr(loader, "_flashtile", False):  # wrapped once, not once per call
         assert not getattr(loader.__wrapped__, "_flashtile", False)
+    check = getattr(transformers.PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if getattr(check, "_flashtile", False):  # >= 5.3: wrapped once too
+        assert not getattr(check.__wrapped__, "_flashtile", False)
 
 
 def test_register_refuses_old_transformers(monkeypatch):
@@ -228,22 +255,29 @@ def test_generate_left_padded(name):
     torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("name, routed", [("llama", 2), ("mistral", 0), ("gemma2", 1)])
-def test_generate_unpadded_runs_the_decoding_kernels(name, routed, monkeypatch):
-    """A batch without padding: each decoding step (one query over the cache) of the `routed`
-    layers goes to flash_attn_with_kvcache, and the tokens and logits equal eager's. Layers whose
-    sliding-window cache holds at most DECODE_MAX_QUERIES keys (Mistral's window of 4, Gemma-2's
-    sliding layers) stay on flash_attn_func."""
-    calls = []
-    real = hf.flash_attn_with_kvcache
-    monkeypatch.setattr(hf, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+@pytest.mark.parametrize("name, full_layers", [("llama", 2), ("mistral", 0), ("gemma2", 1), ("gpt_oss", 1)])
+def test_generate_unpadded_runs_the_decoding_kernels(name, full_layers, monkeypatch):
+    """A batch without padding: a decoding step (one query over the cache) runs flash_attn_with_kvcache
+    exactly when its layer's cache holds more than DECODE_MAX_QUERIES keys, flash_attn_func
+    otherwise, and the tokens and logits equal eager's. The caches of the `full_layers` hold the
+    20-token prompt and more; a sliding-window cache holds the window's last keys (Mistral's 4, the
+    sliding layers of Gemma-2 and gpt-oss), but every key in transformers 4.55 (4.57 and 5.x cut it):
+    those steps then run the decoding kernels too, the window applied there."""
+    calls = []  # (function, seqlen_q, seqlen_k) of every call
+    for fn in ("flash_attn_func", "flash_attn_with_kvcache"):
+        real = getattr(hf, fn)
+        monkeypatch.setattr(hf, fn, lambda q, k, *a, _fn=fn, _real=real, **kw:
+                            calls.append((_fn, q.shape[1], k.shape[1])) or _real(q, k, *a, **kw))
     model = _model(name)
     ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
     got, got_logits = _generate(model, "flashtile", input_ids=ids)
     want, want_logits = _generate(model, "eager", input_ids=ids)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
-    assert len(calls) == 7 * routed and all(shape[1] == 1 for shape in calls)  # 7 steps after the prefill
+    steps = calls[model.config.num_hidden_layers:]  # 7 steps after the prefill
+    assert len(steps) == 7 * model.config.num_hidden_layers and all(sq == 1 for _, sq, _ in steps)
+    assert all((fn == "flash_attn_with_kvcache") == (sk > hf.DECODE_MAX_QUERIES) for fn, _, sk in steps), steps
+    assert sum(fn == "flash_attn_with_kvcache" for fn, _, _ in steps) >= 7 * full_layers
 
 
 @pytest.mark.parametrize("sq", [1, 4])
@@ -261,7 +295,7 @@ def test_few_queries_over_more_keys(sq):
     torch.testing.assert_close(out, (p @ v2).transpose(1, 2).float(), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
 def test_generate_static_cache(name):
     """A static cache holds more slots than tokens: the mask marks the ones in use (Gemma-2's sliding
     layers: a rolling buffer of the window's keys)."""
@@ -286,16 +320,23 @@ def _loss_and_grads(model, attn: str, ids, mask):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
-def test_training_step(name):
+def _check_training_step(name: str, side: str):
     model = _model(name).train()
-    ids, mask = _padded_batch("right")
+    ids, mask = _padded_batch(side)
     loss, grads = _loss_and_grads(model, "flashtile", ids, mask)
     want_loss, want_grads = _loss_and_grads(model, "eager", ids, mask)
     torch.testing.assert_close(loss, want_loss, rtol=RTOL, atol=ATOL)
     assert grads.keys() == want_grads.keys() and len(grads) == len(list(model.parameters()))
     for n in grads:
         torch.testing.assert_close(grads[n], want_grads[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
+    return grads
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
+def test_training_step(name):
+    grads = _check_training_step(name, "right")
+    sinks = [g for n, g in grads.items() if n.endswith(".sinks")]
+    assert len(sinks) == (2 if name == "gpt_oss" else 0) and all(g.abs().min() > 0 for g in sinks)
 
 
 def test_training_step_under_autocast():
@@ -358,19 +399,24 @@ class _Attention(torch.nn.Module):
         self.is_causal = is_causal
 
 
-def _dense(q, k, v, allowed, scale):
-    """Plain attention in float64: q (b, h, sq, d), k, v (b, hk, sk, dv), allowed (b, sq, sk) bool."""
+def _dense(q, k, v, allowed, scale, sink=None):
+    """Plain attention in float64: q (b, h, sq, d), k, v (b, hk, sk, dv), allowed (b, sq, sk) bool,
+    sink None or (h,): a column of logits appended to the scores, dropped after the softmax (a row
+    that sees no key gives 0). Returns (b, sq, h, dv) in float64."""
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1).double() for t in (k, v))
-    s = (q.double() @ k.transpose(-1, -2)) * scale
-    p = torch.softmax(s.masked_fill(~allowed[:, None], float("-inf")), -1)
-    return (p @ v).transpose(1, 2).float()  # (b, sq, h, dv)
+    s = (q.double() @ k.transpose(-1, -2)) * scale  # (b, h, sq, sk)
+    s = s.masked_fill(~allowed[:, None], float("-inf"))
+    if sink is not None:
+        s = torch.cat((s, sink.double()[None, :, None, None].expand(*s.shape[:3], 1)), -1)
+    p = torch.softmax(s, -1)[..., :allowed.shape[-1]]
+    return (p @ v).transpose(1, 2)
 
 
 def test_unsupported_arguments_are_refused():
     q = torch.randn(1, 4, 3, 16)
     k = v = torch.randn(1, 2, 3, 16)
     module = _Attention(True)
-    for name in ("s_aux", "position_bias"):
+    for name in ("sinks", "position_bias"):  # sinks come as s_aux
         with pytest.raises(ValueError, match=name):
             hf.attention_forward(module, q, k, v, None, **{name: torch.zeros(4)})
     with pytest.raises(ValueError, match="is_causal"):
@@ -402,7 +448,8 @@ def test_cross_attention_with_key_padding():
     mask[:, 0] = True
     out, weights = hf.attention_forward(_Attention(False), q, k, v, mask, scaling=0.3)
     assert weights is None and out.shape == (b, sq, h, d)
-    torch.testing.assert_close(out, _dense(q, k, v, mask[:, None, :].expand(b, sq, sk), 0.3), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out, _dense(q, k, v, mask[:, None, :].expand(b, sq, sk), 0.3).float(), rtol=RTOL,
+                               atol=ATOL)
 
 
 def test_bidirectional_sliding_window_and_smaller_value_dim():
@@ -413,7 +460,7 @@ def test_bidirectional_sliding_window_and_smaller_value_dim():
     out, _ = hf.attention_forward(_Attention(False), q, k, v, None, sliding_window=w)
     i = torch.arange(s)
     allowed = ((i[:, None] - i[None, :]).abs() < w).expand(b, s, s)
-    torch.testing.assert_close(out, _dense(q, k, v, allowed, d ** -0.5), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out, _dense(q, k, v, allowed, d ** -0.5).float(), rtol=RTOL, atol=ATOL)
 
 
 def test_decode_step_with_padded_cache():
@@ -423,7 +470,114 @@ def test_decode_step_with_padded_cache():
     mask = torch.tensor([[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     out, _ = hf.attention_forward(_Attention(True), q, k, v, mask, sliding_window=3)
     allowed = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
-    torch.testing.assert_close(out, _dense(q, k, v, allowed[:, None, :], d ** -0.5), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out, _dense(q, k, v, allowed[:, None, :], d ** -0.5).float(), rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# attention sinks (gpt-oss: s_aux)
+# --------------------------------------------------------------------------------------------
+
+def _sink_case(route: str):
+    """attention_forward's inputs for one route, with GQA and a window of 3, and the (b, sq, sk) bool
+    pattern they describe: causal, bottom-right aligned."""
+    b, h, hk, d, w = 2, 4, 2, 16, 3
+    sq, sk = {"dense": (9, 9), "padded": (9, 9), "packed": (12, 12), "decode": (1, 40), "decode-padded": (1, 40)}[route]
+    q, k, v = torch.randn(b, h, sq, d), torch.randn(b, hk, sk, d), torch.randn(b, hk, sk, d)
+    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    allowed = ((j <= i) & (i - j < w)).expand(b, sq, sk).clone()
+    kwargs = dict(sliding_window=w)
+    if route in ("padded", "decode-padded"):  # left padding: 4 and 0 pad tokens; padding query rows see no key
+        mask = torch.ones(b, sk, dtype=torch.bool)
+        mask[0, :4] = False
+        allowed &= mask[:, None, :]
+        kwargs["attention_mask"] = mask
+    if route == "packed":  # row 0: sequences of 5 and 7 tokens; row 1: one of 12
+        position_ids = torch.stack((torch.cat((torch.arange(5), torch.arange(7))), torch.arange(12)))
+        seq = torch.stack((torch.tensor([0] * 5 + [1] * 7), torch.zeros(12, dtype=torch.long)))
+        allowed &= seq[:, :, None] == seq[:, None, :]
+        kwargs["position_ids"] = position_ids
+    return q, k, v, allowed, kwargs
+
+
+ROUTES = {"dense": "flash_attn_func", "padded": "flash_attn_varlen_func", "packed": "flash_attn_varlen_func",
+          "decode": "flash_attn_with_kvcache", "decode-padded": "flash_attn_varlen_func"}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_sinks_on_every_route(route, monkeypatch):
+    """s_aux reaches the flashtile function of each route as learnable_sink; the output (rows that
+    see no key: 0) and, on the training routes, the gradients of q, k, v and the sinks equal the
+    float64 softmax with the sink column appended."""
+    calls = []
+    for fn in set(ROUTES.values()):
+        real = getattr(hf, fn)
+        monkeypatch.setattr(hf, fn, lambda *a, _fn=fn, _real=real, **kw: calls.append((_fn, kw.get("learnable_sink")))
+                            or _real(*a, **kw))
+    q, k, v, allowed, kwargs = _sink_case(route)
+    sink = (2 * torch.randn(q.shape[1])).requires_grad_()
+    training = not route.startswith("decode")
+    inputs = [t.requires_grad_(training) for t in (q, k, v)]
+    mask = kwargs.pop("attention_mask", None)
+    with torch.set_grad_enabled(training):  # decoding steps: under generate's no_grad
+        out, _ = hf.attention_forward(_Attention(True), *inputs, mask, scaling=0.3, s_aux=sink, **kwargs)
+    assert [(fn, s is sink) for fn, s in calls] == [(ROUTES[route], True)]
+    want = _dense(q, k, v, allowed, 0.3, sink)
+    assert (want.abs().amax((-1, -2)) == 0).any() == (route == "padded")  # the padding rows of sequence 0
+    torch.testing.assert_close(out, want.float(), rtol=RTOL, atol=ATOL)
+    if training:
+        do = torch.randn_like(out)
+        got = torch.autograd.grad(out, [*inputs, sink], do)
+        want = torch.autograd.grad(want, [*inputs, sink], do.double())
+        for name, g, w in zip(("dq", "dk", "dv", "dsink"), got, want):
+            torch.testing.assert_close(g, w.float(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_few_queries_with_gradients_skip_the_decoding_kernels(monkeypatch):
+    """The decoding kernels have no backward: a few queries over more keys that need gradients (a
+    training step over a cache, or just the sinks' parameter with grad enabled) run
+    flash_attn_func, and every gradient arrives; under no_grad the same call runs the kernels."""
+    calls = []
+    for fn in ("flash_attn_func", "flash_attn_with_kvcache"):
+        real = getattr(hf, fn)
+        monkeypatch.setattr(hf, fn, lambda *a, _fn=fn, _real=real, **kw: calls.append(_fn) or _real(*a, **kw))
+    q, k, v, allowed, kwargs = _sink_case("decode")
+    sink = (2 * torch.randn(q.shape[1])).requires_grad_()
+    out, _ = hf.attention_forward(_Attention(True), q, k, v, None, scaling=0.3, s_aux=sink, **kwargs)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, sink, do)[0]
+    want = torch.autograd.grad(_dense(q, k, v, allowed, 0.3, sink), sink, do.double())[0]
+    torch.testing.assert_close(got, want.float(), rtol=RTOL, atol=ATOL)
+    with torch.no_grad():
+        hf.attention_forward(_Attention(True), q, k, v, None, scaling=0.3, s_aux=sink, **kwargs)
+    assert calls == ["flash_attn_func", "flash_attn_with_kvcache"]
+
+
+def test_sinks_move_the_logits():
+    """The model tests can fail: gpt-oss's eager logits without sinks (-inf) differ from those with
+    them by far more than the tolerance, and flashtile follows each."""
+    model = _model("gpt_oss")
+    ids, mask = _padded_batch("left")
+    keep = mask.bool()
+    with_sinks = _logits(model, "eager", input_ids=ids, attention_mask=mask)[keep]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+    without = _logits(model, "eager", input_ids=ids, attention_mask=mask)[keep]
+    assert (with_sinks - without).abs().max() > 100 * ATOL
+    torch.testing.assert_close(_logits(model, "flashtile", input_ids=ids, attention_mask=mask)[keep], without,
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_gpt_oss_keeps_flashtile():
+    """transformers >= 5.3 replaces a "...flash..." name that a model's _compatible_flash_implementations
+    lacks (gpt-oss: FA3/FA4 kernels) by the list's first: register() keeps "flashtile" there, for the
+    model built and the one switched, without changing the class's list."""
+    model = _model("gpt_oss", attn="eager")
+    _switch(model, "flashtile")
+    assert model.config._attn_implementation == "flashtile"
+    assert _model("gpt_oss").config._attn_implementation == "flashtile"
+    listed = getattr(type(model), "_compatible_flash_implementations", None)
+    assert listed is None or hf.NAME not in listed
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,11 +585,26 @@ def test_decode_step_with_padded_cache():
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.interpret
-def test_padded_batch_logits_triton():
-    model = _model("gemma2")
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_padded_batch_logits_triton(name):
+    model = _model(name)
     ids, mask = _padded_batch("left", lengths=(7, 4))
     with flashtile.use_backend("triton"):
         got = _logits(model, "flashtile", input_ids=ids, attention_mask=mask)
     want = _logits(model, "eager", input_ids=ids, attention_mask=mask)
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.interpret
+def test_training_step_triton():
+    """gpt-oss's training step on the kernels: the sinks' gradient comes from the backward kernels."""
+    with flashtile.use_backend("triton"):
+        _check_training_step("gpt_oss", "left")
+
+
+@pytest.mark.interpret
+def test_generate_unpadded_triton(monkeypatch):
+    """gpt-oss's decoding steps over the cache on the split-KV kernels, with the sinks."""
+    with flashtile.use_backend("triton"):
+        test_generate_unpadded_runs_the_decoding_kernels("gpt_oss", 1, monkeypatch)

@@ -21,9 +21,10 @@ d) and key, value (batch, kv_heads, seqlen_k, d), the keys after the cache updat
   when every sequence counts from 0).
 - Otherwise flash_attn_func on the tensors as they are (their BHSD storage is read in place);
   but a few queries over more keys (a decoding step over the cache, up to DECODE_MAX_QUERIES rows
-  per sequence, without dropout) run flash_attn_with_kvcache over the keys as the cache: its
-  split-KV kernels spread one sequence's keys over the GPU, where flash_attn_func's programs
-  (one per query block and head) would read them one program per head.
+  per sequence, without dropout and with no graph to build: those kernels have no backward) run
+  flash_attn_with_kvcache over the keys as the cache: its split-KV kernels spread one sequence's
+  keys over the GPU, where flash_attn_func's programs (one per query block and head) would read
+  them one program per head.
 
 Masks are aligned to the bottom-right corner (flash-attn's rule): queries at the end of a cache see
 every key before them, so prefill, decoding and chunked prefill need nothing more. GQA/MQA run
@@ -39,14 +40,19 @@ reads them:
   causal), which is window_size = (w - 1, 0), or (w - 1, w - 1) without causal. Every transformers
   model aligns its eager mask to this (Mistral, Gemma-2: kv > q - w; ModernBERT passes w = its
   half-window + 1), and so does its flash_attention_2.
+- s_aux, the per-head attention sinks (h,) of gpt-oss (its module.sinks, and of the other models
+  that pass s_aux, every transformers version that has them) -> learnable_sink, on every route
+  above: one more logit in each row's softmax denominator that carries no value, as their eager
+  attention appends and drops a sink column. Passed in its own dtype, so that an fp32 parameter's
+  gradient stays fp32 (transformers' flash path casts it to the query's dtype, which FA3 needs).
 
 Raised, never dropped: a mask that is not a 2-D padding mask (a 4-D mask given to the model, which
 transformers passes through unchanged: use attn_implementation="sdpa" for it), output_attentions=True
 (flashtile never materialises the attention weights; the second return value is always None),
-attention sinks (s_aux) and additive position biases. What this implementation cannot see, like
-transformers' own flash implementations: extra mask patterns a model builds with its own mask
-functions (the bidirectional image-token blocks of PaliGemma and Gemma-3 with images, for one); the
-pattern here is causal or not, the sliding window and the padding.
+sinks under another name than s_aux, and additive position biases. What this implementation
+cannot see, like transformers' own flash implementations: extra mask patterns a model builds with
+its own mask functions (the bidirectional image-token blocks of PaliGemma and Gemma-3 with images,
+for one); the pattern here is causal or not, the sliding window and the padding.
 
 transformers >= 5 takes every implementation whose name contains "flash" for a flash-attn library
 and preloads its functions when a model is made (modeling_flash_attention_utils.
@@ -56,6 +62,16 @@ build. register() therefore has that loader answer "flashtile" with the flashtil
 flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache take flash-attn 2.x's
 arguments, which is what transformers expects of such a module; every other name goes on to
 transformers' loader unchanged.
+
+transformers >= 5.3 also lets a model list the flash implementations that compute it
+(_compatible_flash_implementations) and replaces any other "...flash..." name by the first of the
+list when a model is made or switched: gpt-oss lists FA3/FA4 kernels only (the ones that take its
+sinks), so "flashtile" would turn into "kernels-community/vllm-flash-attn3", a Hub download. Those
+lists name kernels with flash-attn's arguments plus the sink, which flashtile takes too, so
+register() has transformers' check add "flashtile" to a model's list (that instance's) when the list
+holds only such kernels (SINK_KERNELS); a model that lists anything else keeps transformers' choice.
+transformers 5.0 to 5.2 instead refuse every "...flash..." name but vllm-flash-attn3 in GptOssConfig:
+gpt-oss runs "flashtile" on 4.55 to 4.57 and from 5.3.
 
 This module imports transformers only inside register() and imports no triton.
 """
@@ -75,6 +91,11 @@ NAME = "flashtile"
 # implementation choose its mask (older ones build a dense 4-D mask for any name not flash_attention_2)
 MIN_TRANSFORMERS = "4.53"
 DECODE_MAX_QUERIES = 16  # query rows per sequence that still run the decoding kernels (speculative steps)
+# The flash implementations of the models' _compatible_flash_implementations lists (transformers
+# >= 5.3: gpt-oss, granite_swa, mimo_v2_flash, ...) that flashtile stands in for: flash-attn's
+# arguments and the sink (s_aux / learnable_sink), which transformers hands to each of them.
+SINK_KERNELS = frozenset({"flash_attention_4", "kernels-community/vllm-flash-attn3",
+                          "kernels-community/metal-flash-sdpa"})
 
 
 def register() -> None:
@@ -97,6 +118,7 @@ def register() -> None:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, padding_mask)
     _teach_flash_preload()
+    _teach_compatible_lists()
 
 
 def _teach_flash_preload() -> None:
@@ -126,6 +148,29 @@ def _teach_flash_preload() -> None:
 
     load_and_register_attn_kernel._flashtile = True
     hub_kernels.load_and_register_attn_kernel = load_and_register_attn_kernel
+
+
+def _teach_compatible_lists() -> None:
+    """Keep "flashtile" on a model whose _compatible_flash_implementations (transformers >= 5.3, see
+    the module docstring) lists only SINK_KERNELS: PreTrainedModel._check_and_adjust_attn_implementation,
+    which makes a model (__init__, from_pretrained) and switches it (set_attn_implementation), finds
+    NAME in that model's list. The class's list is left as it is. Once per process."""
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if check is None or getattr(check, "_flashtile", False) or \
+            not hasattr(PreTrainedModel, "_compatible_flash_implementations"):
+        return
+
+    @functools.wraps(check)
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        listed = getattr(self, "_compatible_flash_implementations", None)
+        if attn_implementation == NAME and listed is not None and NAME not in listed and set(listed) <= SINK_KERNELS:
+            self._compatible_flash_implementations = [*listed, NAME]  # transformers' fallback stays listed[0]
+        return check(self, attn_implementation, *args, **kwargs)
+
+    _check_and_adjust_attn_implementation._flashtile = True
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
 def padding_mask(*, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -161,7 +206,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask: None, or the 2-D padding mask (batch, n) bool or int, 1 = token, for the
             first n <= seqlen_k keys (n < seqlen_k: a static cache's unused tail).
         scaling, dropout, sliding_window, softcap, is_causal: as the module docstring says.
-        kwargs: position_ids (batch or 1, seqlen_q), or cu_seq_lens_q / cu_seq_lens_k (offsets of
+        kwargs: s_aux, attention sinks (heads,) float32 / bfloat16 / float16, or None (gpt-oss);
+            position_ids (batch or 1, seqlen_q), or cu_seq_lens_q / cu_seq_lens_k (offsets of
             the packed sequences in the flattened batch * seqlen rows) with optional
             max_length_q / max_length_k, for packed sequences; the rest of transformers' keyword
             arguments are not about attention and are not read.
@@ -188,11 +234,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d) views
     options = dict(dropout_p=float(dropout) if module.training else 0.0, softmax_scale=scaling, causal=is_causal,
                    window_size=_window_size(sliding_window, is_causal), softcap=float(softcap or 0.0))
+    if kwargs.get("s_aux") is not None:  # absent otherwise: calls without sinks are the same as before them
+        options["learnable_sink"] = kwargs["s_aux"]
     if attention_mask is not None:
         out = _padded(q, k, v, attention_mask, options)
     else:
         packed = _packed_sequences(q, k, kwargs)
-        if packed is None and options["dropout_p"] == 0.0 and q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1]:
+        if packed is None and _decoding_step(q, k, v, options):
             options.pop("dropout_p")
             out = flash_attn_with_kvcache(q, k, v, **options)
         elif packed is None:
@@ -203,6 +251,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             out = flash_attn_varlen_func(q.reshape(-1, h, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
                                          cu_q, cu_k, max_q, max_k, **options).view(b, sq, h, d)
     return out[..., :dv], None
+
+
+def _decoding_step(q, k, v, options: dict) -> bool:
+    """Whether flash_attn_with_kvcache runs this call: a few queries over more keys (q (b, sq, h, d),
+    k (b, sk, hk, d)), no dropout and nothing to differentiate. The decoding kernels have no
+    backward: a forward that builds a graph (a training step over a cache; a sink parameter with
+    grad enabled) stays on flash_attn_func, or its gradients would be lost."""
+    if options["dropout_p"] != 0.0 or not q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1]:
+        return False
+    tensors = (q, k, v, options.get("learnable_sink"))
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 def _reject_unsupported(attention_mask, kwargs: dict) -> None:
@@ -219,10 +278,12 @@ def _reject_unsupported(attention_mask, kwargs: dict) -> None:
     if kwargs.get("output_attentions"):
         raise ValueError(f"attn_implementation={NAME!r} never materialises the attention weights: "
                          f"output_attentions=True needs attn_implementation='eager'")
-    for name in ("s_aux", "sinks", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation={NAME!r} does not support {name} (attention sinks and additive "
-                             f"position biases); use attn_implementation='eager' or 'sdpa'")
+    if kwargs.get("sinks") is not None:
+        raise ValueError(f"attn_implementation={NAME!r} takes attention sinks as s_aux (transformers' name), "
+                         f"got sinks")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"attn_implementation={NAME!r} does not support position_bias (additive position "
+                         f"biases); use attn_implementation='eager' or 'sdpa'")
 
 
 def _window_size(sliding_window, causal: bool) -> tuple[int, int]:
