@@ -176,13 +176,23 @@ def test_merge_adds_the_sink_once(backend):
     assert torch.equal(out[0, 1, 2], torch.zeros(16)) and lse[0, 1, 2] == t[2]
 
 
-def test_kvcache_attend_takes_a_sink():
-    cache = flashtile.KVCache(2, 32, 2, 16, num_layers=2, dtype=torch.float32, device="cpu")
-    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
-    t = torch.randn(4)
-    out = cache.attend(q, k, v, layer=1, causal=True, learnable_sink=t)
-    want, _ = naive.attention(q, k, v, causal=True, learnable_sink=t)
-    torch.testing.assert_close(out, want)
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
+def test_cache_attend_takes_a_sink(paged):
+    """Two steps through a cache helper, a sink per layer: each equals the oracle over the tokens so far."""
+    if paged:
+        cache = flashtile.PagedKVCache(8, 16, 2, 2, 16, num_layers=2, dtype=torch.float32, device="cpu")
+    else:
+        cache = flashtile.KVCache(2, 32, 2, 16, num_layers=2, dtype=torch.float32, device="cpu")
+    keys, values = torch.empty(2, 0, 2, 16), torch.empty(2, 0, 2, 16)
+    sinks = torch.randn(2, 4)
+    for n in (3, 1):
+        q, k, v = torch.randn(2, n, 4, 16), torch.randn(2, n, 2, 16), torch.randn(2, n, 2, 16)
+        keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
+        for layer in (0, 1):
+            out = cache.attend(q, k, v, layer=layer, causal=True, learnable_sink=sinks[layer])
+            want, _ = naive.attention(q, keys, values, causal=True, learnable_sink=sinks[layer])
+            torch.testing.assert_close(out, want)
+        cache.advance(n)
 
 
 @pytest.mark.parametrize("sink,match,exc", [
@@ -205,3 +215,19 @@ def test_bad_sinks_name_the_argument(sink, match, exc):
 def test_merge_refuses_sinks_that_do_not_fit_the_rows(sink):
     with pytest.raises((ValueError, TypeError), match="learnable_sink must"):
         flashtile.merge_attention_states(torch.randn(2, 1, 5, 4, 16), torch.randn(2, 1, 5, 4), learnable_sink=sink)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpret)])
+@pytest.mark.parametrize("needs_grad", ["q", "k", "sink"])
+def test_decoding_refuses_to_drop_gradients(backend, needs_grad):
+    """The decoding functions have no backward: an input that requires grad (with grad enabled) is
+    an error on both backends, never an output cut from the graph; under no_grad it runs."""
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    t = torch.randn(4)
+    {"q": q, "k": k, "sink": t}[needs_grad].requires_grad_()
+    kc, vc = torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    with api.use_backend(backend):
+        with pytest.raises(RuntimeError, match="no backward"):
+            flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, learnable_sink=t)
+        with torch.no_grad():
+            flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, learnable_sink=t)
