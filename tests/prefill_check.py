@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from flashtile.autograd import _by_head, sink_grad
+from flashtile.autograd import by_head, sink_grad
 from flashtile.ops.backward import attention_backward
 from flashtile.ops.forward import attention_forward
 from flashtile.reference import naive
@@ -87,7 +87,7 @@ def check_sink_grad(sink, lse, delta, dout, ref, base, factor=2):
     and LSE) and the baseline's, and the sum must be the sum of the kernel's terms. ref / base:
     (out, lse) of the oracle and of the baseline; layouts as the kernel's (dense or packed)."""
     def terms(out, l, d=None):
-        d = _by_head(dout.double() * out.double()).sum(-1) if d is None else d.double()
+        d = by_head(dout.double() * out.double()).sum(-1) if d is None else d.double()
         return torch.exp(sink.double()[:, None] - l.double()) * d
 
     got = terms(None, lse, delta)

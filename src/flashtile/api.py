@@ -582,12 +582,12 @@ class DecodePlan:
                      and v.shape == k_shape and k.dtype == dtype and v.dtype == dtype and k.device == device
                      and v.device == device)):
             self._mismatch(q, k_cache, v_cache, k, v)
+        if learnable_sink is not None:
+            learnable_sink = _checks.check_sink(learnable_sink, self.nheads, device)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
             raise RuntimeError("flash_attn_with_kvcache / DecodePlan.run have no backward (as flash-attn's): call "
                                "them under torch.no_grad() or torch.inference_mode(), or train through "
                                "flash_attn_func / flash_attn_varlen_func (q, k, v or learnable_sink requires grad)")
-        if learnable_sink is not None:
-            learnable_sink = _checks.check_sink(learnable_sink, self.nheads, device)
         out, lse = self._run(q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink)
         return (out, lse) if return_softmax_lse else out
 

@@ -64,12 +64,12 @@ def _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_s
     if sink is not None:
         from flashtile.reference.decoding import add_sink
 
-        rows, lse = add_sink(_by_head(out).float(), lse, sink[:, None])  # lse: (b, h, sq) or (h, total_q)
-        out = _by_head(rows).to(q.dtype).contiguous()
+        rows, lse = add_sink(by_head(out).float(), lse, sink[:, None])  # lse: (b, h, sq) or (h, total_q)
+        out = by_head(rows).to(q.dtype).contiguous()
     return out, lse
 
 
-def _by_head(t):
+def by_head(t):
     """BSHD (b, s, h, d) <-> (b, h, s, d), packed (total, h, d) <-> (h, total, d): out in the LSE's
     row order (a view)."""
     return t.transpose(-3, -2)
@@ -113,7 +113,7 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_r
                                       softcap=softcap, alibi_slopes=alibi_slopes, dropout=mask)
             dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         if sink is not None:
-            delta = _by_head(dout.float() * out.float()).sum(-1)  # rowsum(dO * O), shaped like lse
+            delta = by_head(dout.float() * out.float()).sum(-1)  # rowsum(dO * O), shaped like lse
     return dq, dk, dv, None if sink is None else sink_grad(sink, lse, delta)
 
 

@@ -12,21 +12,6 @@ from flashtile.distributed import comm, plan, ring, shard
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_sink(learnable_sink, h: int, device):
-    if learnable_sink is None:
-        return None
-    if not isinstance(learnable_sink, torch.Tensor):
-        raise TypeError(f"learnable_sink must be a torch.Tensor or None, got {type(learnable_sink).__name__}")
-    if not learnable_sink.dtype.is_floating_point:
-        raise TypeError(f"learnable_sink must be a float tensor, got {learnable_sink.dtype}")
-    if tuple(learnable_sink.shape) != (h,):
-        raise ValueError(f"learnable_sink must have shape ({h},) (one logit per query head), "
-                         f"got {tuple(learnable_sink.shape)}")
-    if learnable_sink.device != device:
-        raise ValueError(f"learnable_sink must be on the device of q ({device}), got {learnable_sink.device}")
-    return learnable_sink
-
-
 def _options(q, d, dropout_p, softmax_scale, causal, window_size, softcap, layout):
     if q.dtype not in _DTYPES:
         raise TypeError(f"q, k, v must be float16, bfloat16 or float32, got {q.dtype}")
@@ -103,7 +88,7 @@ def ring_flash_attn_func(q, k, v, group=None, dropout_p=0.0, softmax_scale=None,
                          f"are shards of one sequence")
     dropout_p, scale, window, softcap, layout = _options(q, d, dropout_p, softmax_scale, causal, window_size,
                                                          softcap, layout)
-    sink = _check_sink(learnable_sink, h, q.device)
+    sink = _checks.check_sink(learnable_sink, h, q.device)
     if layout == "zigzag" and sq % 2:
         raise ValueError(f"q.shape[1] (tokens per rank) must be even with layout='zigzag' (two chunks per rank), "
                          f"got {sq}")
@@ -150,7 +135,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, dro
     if window[0] >= 0 or window[1] > 0:
         raise ValueError(f"window_size must be (-1, -1) with a packed batch (causal or full attention only), "
                          f"got {tuple(window_size) if not isinstance(window_size, torch.Tensor) else window_size}")
-    sink = _check_sink(learnable_sink, h, q.device)
+    sink = _checks.check_sink(learnable_sink, h, q.device)
     _checks.check_index_tensor("cu_seqlens", cu_seqlens, q.device, (None,))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     values = _checks.host_values(cu_seqlens)

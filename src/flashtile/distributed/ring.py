@@ -37,6 +37,7 @@ import torch
 
 from flashtile import _checks, autograd
 from flashtile.distributed import comm, plan
+from flashtile.reference.decoding import add_sink
 
 _NO_VARLEN = (None, None, 0, 0)
 
@@ -251,26 +252,13 @@ def backward_pass(ring: Ring, dout, q, k, v, out, lse, transport):
     return dq, dk, dv
 
 
-def add_sink(out, lse, sink):
-    """Fold the sink into the merged state: one more state (O = 0, L = t_h). In place on out."""
-    new = torch.logaddexp(lse, sink.float()[None, :, None])  # (b, h, s)
-    out.mul_(torch.exp(lse - new).transpose(1, 2).unsqueeze(-1))
-    return out, new
-
-
-def sink_grad(dout, out, lse, sink):
-    """dL/dt_h = -sum over rows of exp(t_h - lse) * rowsum(dO * O): the sink's column of dS, its
-    value being 0. This rank's rows only (see ring_flash_attn_func)."""
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (b, h, s)
-    return -(torch.exp(sink.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sink.dtype)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, ring, group):
         out, lse = forward_pass(ring, q, k, v, comm.P2PRing(group) if ring.world > 1 else None)
-        if sink is not None:
-            out, lse = add_sink(out, lse, sink)
+        if sink is not None:  # once, after the merge: one more state (O = 0, L = t_h)
+            rows, lse = add_sink(autograd.by_head(out), lse, sink[:, None])
+            out = autograd.by_head(rows)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.ring, ctx.group = ring, group
@@ -283,5 +271,7 @@ class _RingAttention(torch.autograd.Function):
         ring = ctx.ring
         dq, dk, dv = backward_pass(ring, dout, q, k, v, out, lse,
                                    comm.P2PRing(ctx.group) if ring.world > 1 else None)
-        dsink = None if sink is None else sink_grad(dout, out, lse, sink)
+        # this rank's rows only (see ring_flash_attn_func)
+        dsink = None if sink is None else autograd.sink_grad(
+            sink, lse, autograd.by_head(dout.float() * out.float()).sum(-1))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None
