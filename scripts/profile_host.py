@@ -228,7 +228,7 @@ def main(out=None):
     row("  2 x torch.empty (out, lse)", lambda: (torch.empty((b, 1, h, d), dtype=q.dtype, device=dev),
                                                  torch.empty((b, h, 1), dtype=torch.float32, device=dev)))
     outputs = (torch.empty(b, 1, h, d, dtype=q.dtype, device=dev), torch.empty(b, h, 1, dtype=torch.float32, device=dev))
-    launch_key_rows(row, launch.split, (q, kc, vc, *outputs, None, None, None), (*q.stride(), *kc.stride(), *vc.stride()))
+    launch_key_rows(row, launch.split, (q, kc, vc, *outputs, None, None, None, None), (*q.stride(), *kc.stride(), *vc.stride()))
 
     if cuda:
         row("  torch.cuda.device(q.device) enter/exit", lambda: api._device_guard(q).__enter__() and None)

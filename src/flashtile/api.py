@@ -584,7 +584,8 @@ class DecodePlan:
             self._mismatch(q, k_cache, v_cache, k, v)
         if learnable_sink is not None:
             learnable_sink = _checks.check_sink(learnable_sink, self.nheads, device)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
+        if torch.is_grad_enabled() and (q.requires_grad or k is not None and (k.requires_grad or v.requires_grad)
+                                        or learnable_sink is not None and learnable_sink.requires_grad):
             raise RuntimeError("flash_attn_with_kvcache / DecodePlan.run have no backward (as flash-attn's): call "
                                "them under torch.no_grad() or torch.inference_mode(), or train through "
                                "flash_attn_func / flash_attn_varlen_func (q, k, v or learnable_sink requires grad)")
