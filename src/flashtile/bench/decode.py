@@ -140,12 +140,13 @@ def _reference(q, k, v):
 
 
 def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None):
-    """name -> (fn(q, k, v), logical(t)) over contiguous buffers k, v (batch, context, hk, d) and q
-    (batch, sq, h, d); causal when sq > 1.
+    """name -> (fn(q, k, v), check(q, k, v) -> max error) over contiguous buffers k, v (batch,
+    context, hk, d) and q (batch, sq, h, d); causal when sq > 1.
 
-    The paged rows view the same buffers as pages reached through a random page order, so their
-    logical cache is a permutation of the buffer: logical(t) gathers it (for the SDPA check). The
-    plan row makes its DecodePlan here, once: the calls time its run alone.
+    check compares fn with the reference on the logical cache behind k, v (_check). The paged rows
+    view the same buffers as pages reached through a random page order, so their logical cache is a
+    permutation of the buffer, gathered for the check. The sink row is checked against the no-sink
+    call instead. The plan row makes its DecodePlan here, once: the calls time its run alone.
     """
     import flashtile
 
@@ -186,17 +187,18 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
         want = out.float() * torch.exp(lse - new).transpose(1, 2)[..., None]
         return float((with_sink(q, k, v).float() - want).abs().max())
 
-    return {"read-floor": (_read_floor, None), "eager": (_eager, None), "sdpa-gqa": (_sdpa_gqa, None),
+    rows = {"read-floor": (_read_floor, None), "eager": (_eager, None), "sdpa-gqa": (_sdpa_gqa, None),
             "sdpa-expanded": (_sdpa_expanded, None), "flashtile-nosplit": flash(1),
             "flashtile": flash(auto), "flashtile-plan": planned(), "flashtile-page16": flash(auto, 16),
-            "flashtile-page64": flash(auto, 64), "flashtile-sink": (with_sink, sink_check)}
+            "flashtile-page64": flash(auto, 64)}
+    table = {name: (fn, functools.partial(_check, fn, logical)) for name, (fn, logical) in rows.items()}
+    table["flashtile-sink"] = (with_sink, sink_check)
+    return table
 
 
 def _check(fn, logical, q, k, v) -> float:
-    """max |fn - the reference| on the logical cache behind k, v; logical is None (k, v as they
-    are), a gather (the paged rows) or, for the sink row, its own check."""
-    if getattr(logical, "__name__", "") == "sink_check":
-        return logical(q, k, v)
+    """max |fn - the reference| on the logical cache behind k, v: logical None (k, v as they are)
+    or a gather (the paged rows)."""
     ref = _reference(q, k, v) if logical is None else _reference(q, logical(k), logical(v))
     return float((fn(q, k, v).float() - ref.float()).abs().max())
 
@@ -255,7 +257,7 @@ def run(args, path: str | None = None) -> dict:
         seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
         shape = dict(batch=batch, context=context, nheads=h, nheads_k=hk, sq=sq, kv_mb=kv_bytes / 1e6)
         sdpa_us = None
-        for name, (fn, logical) in implementations(batch, context, h, hk, seqlens, dtype, sq).items():
+        for name, (fn, check) in implementations(batch, context, h, hk, seqlens, dtype, sq).items():
             if name not in args.impls or (sq > 1 and name not in SQ_IMPLS):
                 continue
             row = dict(impl=name, **shape)
@@ -265,7 +267,7 @@ def run(args, path: str | None = None) -> dict:
                     page = int(name[len("flashtile-page"):]) if "page" in name else 0
                     row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(
                         batch, context, h, hk, dtype, page, sq)
-                    err = _check(fn, logical, q, *buffers[0])
+                    err = check(q, *buffers[0])
                     row["max_err_vs_sdpa"] = err
                     if not err <= args.tolerance:
                         failed.append(f"{name} b={batch} ctx={context}: max error {err:.3g} vs SDPA")
@@ -351,14 +353,14 @@ def sweep(args) -> dict:
                 splits = max(1, round(base * factor))
                 # a new lengths tensor per variant: flash_attn_with_kvcache keeps its recent plans by the
                 # identity of the index tensors, and each variant's plan has other tiles
-                fn, logical = implementations(batch, context, h, hk, seqlens.clone(), dtype, num_splits=splits)[
+                fn, check = implementations(batch, context, h, hk, seqlens.clone(), dtype, num_splits=splits)[
                     f"flashtile-page{page}" if page else "flashtile"]
                 row = dict(batch=batch, context=context, nheads=h, page=page, block_n=cfg.block_n,
                            warps=cfg.num_warps, stages=cfg.num_stages, splits=splits,
                            combine="none" if splits == 1 else combine)
                 rows.append(row)
                 try:
-                    row["max_err_vs_sdpa"] = _check(fn, logical, q, *buffers[0])
+                    row["max_err_vs_sdpa"] = check(q, *buffers[0])
                     row["graph_us"] = _graph_us(fn, q, buffers, warmup=10, rep=40)
                     row["GBps"] = kv_bytes / row["graph_us"] * 1e-3
                     print(f"b={batch:3d} ctx={context:6d} page={page:2d} BLOCK_N {cfg.block_n:3d} warps "

@@ -180,7 +180,7 @@ def attend_backward(ring: Ring, step: int, call: Call, dout, q, k, v, out, lse):
     r = call.q
     # the kernels read the LSE as the forward writes it, (b, h, n) contiguous: a slice of rows is copied
     args = _squeeze(call, dout[:, r], q[:, r], k[:, call.k], v[:, call.k], out[:, r], lse[:, :, r].contiguous())
-    # [:3]: the attention-sink change makes _backward_impl return a 4th value (the sink's gradient)
+    # [:3]: the sink's gradient (the 4th value) is taken once for the whole ring, in _RingAttention
     grads = autograd._backward_impl(*args, ring.scale, call.left, call.right, ring.softcap, None, ring.dropout_p,
                                     ring.rng(step, call), *(call.varlen or _NO_VARLEN), None, ring.backend)[:3]
     return grads if call.varlen is None else tuple(g[None] for g in grads)
