@@ -109,6 +109,112 @@ def test_prefill_no_plot_writes_table_only(tmp_path, capsys):
     assert "| 128 | no | 4096 | 400 / 320 / 600 | 1.25x | 0.67x |" in table
 
 
+def _dense_row(impl, d, causal, seqlen, fwd, bwd, mem=10.0):
+    return dict(impl=impl, d=d, causal=causal, seqlen=seqlen, batch=16384 // seqlen, nheads=2048 // d,
+                fwd_ms=1.0, bwd_ms=2.0, fwd_tflops=fwd, bwd_tflops=bwd, peak_mem_mb=mem, max_err_vs_sdpa_flash=0.0)
+
+
+def test_prefill_summary_and_plot_with_fa4_and_triton_rows(tmp_path):
+    """Every new peer in the table and the plots; "vs best of cuDNN, FA4" is flashtile over the
+    faster of the two at that shape (FA4-det is not in the best: it is FA4's slower, like-for-like mode),
+    and a peer without a row at some shape leaves "-" instead of dropping flashtile's row."""
+    tf = {  # (d, causal) -> impl -> (fwd, bwd) TFLOP/s at seqlen 4096
+        (128, False): {"flashtile": (500.0, 300.0), "flashtile-triton": (450.0, 300.0), "sdpa-flash": (350.0, 250.0),
+                       "cudnn": (480.0, 400.0), "fa4": (560.0, 380.0), "fa4-det": (555.0, 290.0)},
+        (128, True): {"flashtile": (420.0, 240.0), "flashtile-triton": (350.0, 240.0), "sdpa-flash": (300.0, 200.0),
+                      "fa4": (400.0, 250.0), "fa4-det": (398.0, 220.0)},  # cuDNN failed here
+    }
+    rows = [_dense_row(impl, d, causal, 4096, *v) for (d, causal), impls in tf.items() for impl, v in impls.items()]
+    rows.append(dict(impl="cudnn", d=128, causal=True, seqlen=4096, error="No available kernel"))
+    env = dict(gpu="test", torch="x", triton="y", date="today", command="cmd")
+    path = str(tmp_path / "prefill.json")
+    harness.write_result(path, dict(env=env, ceilings=CEILINGS, dtype="bfloat16", tokens=16384, rows=rows))
+
+    table = prefill.summary(path)
+    head, rule, non_causal, causal = table.splitlines()[:4]
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert cols[3] == "fwd flashtile / FA2 / cuDNN / FA4 / FA4-det / Triton (TFLOP/s)"
+    assert rule.count("---") == len(cols) == 18
+    cells = dict(zip(cols, (c.strip() for c in non_causal.strip("|").split("|"))))
+    assert cells[cols[3]] == "500 / 350 / 480 / 560 / 555 / 450"
+    assert cells["fwd vs FA4"] == f"{500 / 560:.2f}x" and cells["fwd vs Triton"] == f"{500 / 450:.2f}x"
+    assert cells["fwd vs best of cuDNN, FA4"] == f"{500 / 560:.2f}x (FA4)" == "0.89x (FA4)"
+    assert cells["bwd vs best of cuDNN, FA4"] == f"{300 / 400:.2f}x (cuDNN)" == "0.75x (cuDNN)"
+    assert cells["bwd vs FA4-det"] == f"{300 / 290:.2f}x"
+    cells = dict(zip(cols, (c.strip() for c in causal.strip("|").split("|"))))
+    assert cells["fwd vs cuDNN"] == "-" and cells["fwd vs best of cuDNN, FA4"] == f"{420 / 400:.2f}x (FA4)"
+    assert cells["bwd flashtile / FA2 / cuDNN / FA4 / FA4-det / Triton"] == "240 / 200 / - / 250 / 220 / 240"
+    assert prefill.best_peer({("cudnn", 64, False, 1): {"fwd_tflops": 1.0}}, (64, False, 2), "fwd") is None
+
+    names = [os.path.basename(p) for p in prefill.plot(path, str(tmp_path))]
+    assert names == ["prefill.png", "prefill_memory.png"]
+    assert all((tmp_path / n).stat().st_size > 0 for n in names)
+
+
+def test_prefill_triton_peer_restores_the_hopper_dispatch(monkeypatch):
+    """flashtile-triton answers None from configs.hopper_forward_config during its call only, and puts
+    the original back when the call returns and when it raises."""
+    import flashtile
+    from flashtile.ops import configs
+
+    def hopper(d, dtype, device, causal, seqlen_k):
+        return "hopper tiles"
+
+    monkeypatch.setattr(configs, "hopper_forward_config", hopper, raising=False)
+    seen = []
+
+    def fake(q, k, v, causal):
+        seen.append(configs.hopper_forward_config(64, None, None, causal=causal, seqlen_k=8192))
+        if causal:
+            raise RuntimeError("kernel failed")
+        return "out"
+
+    monkeypatch.setattr(flashtile, "flash_attn_func", lambda q, k, v, causal: fake(q, k, v, causal))
+    run = prefill.implementations(["flashtile-triton"])["flashtile-triton"]
+    assert run(1, 2, 3, False) == "out" and configs.hopper_forward_config is hopper
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        run(1, 2, 3, True)
+    assert configs.hopper_forward_config is hopper and seen == [None, None]
+
+
+def test_prefill_fa4_skipped_without_flash_attn_cute(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # `from flash_attn.cute import ...` fails
+    assert prefill._fa4() is None
+    asked = list(prefill.PEERS)
+    assert "fa4" in asked and "fa4-det" in asked  # in the default --peers
+    assert prefill.available_peers(asked) == [p for p in asked if p not in ("fa4", "fa4-det")]
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "fa4, fa4-det skipped" in out
+    assert prefill.available_peers(["flashtile", "cudnn"]) == ["flashtile", "cudnn"]
+    assert capsys.readouterr().out == ""
+    assert prefill.available_peers(asked, fa4=lambda *a, **kw: None) == asked  # FA4 present: kept
+
+
+def test_prefill_dense_without_fa4_runs_the_other_peers(tmp_path, monkeypatch, capsys):
+    """The default peers (flex aside) through run() with flash_attn.cute absent: no FA4 row and no
+    error row, every peer but SDPA-flash checked against SDPA-flash."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    refs = []
+
+    def fake_measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
+        refs.append(ref_out is not None)
+        return 2.0, 4.0, 100.0, 0.0
+
+    monkeypatch.setattr(prefill, "measure", fake_measure)
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    peers = [p for p in prefill.PEERS if p != "flex"]
+    result = prefill.run(_prefill_args(peers=peers), str(tmp_path / "prefill.json"))
+    impls = [r["impl"] for r in result["rows"]]
+    assert impls == ["flashtile", "flashtile-triton", "sdpa-flash", "cudnn", "mem-efficient"] * 2
+    assert refs == [True, True, False, True, True] * 2
+    assert not any("error" in r for r in result["rows"])
+    assert "fa4, fa4-det skipped" in capsys.readouterr().out
+
+
 def test_prefill_plot_with_no_successful_row(tmp_path):
     path = str(tmp_path / "prefill.json")
     harness.write_result(path, dict(env={}, ceilings=CEILINGS, dtype="bfloat16", tokens=16384,

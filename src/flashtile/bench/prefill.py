@@ -1,9 +1,15 @@
 """`flashtile bench prefill`: forward and backward TFLOP/s against the peers, in one run.
 
 Shapes are the FA2/FA3 papers' (BENCHMARKS.md): bf16, batch x seqlen = 16384 tokens,
-nheads x headdim = 2048. Peers: SDPA's FlashAttention-2, cuDNN and memory-efficient backends and
-FlexAttention (torch.compile'd, with a causal block mask). Each implementation's output is checked
-against SDPA-flash before it is timed. FLOPs: forward 4*b*h*s*s*d (half when causal), backward 2.5x.
+nheads x headdim = 2048. Peers (`--peers`, default all): `flashtile-triton` (flashtile with its
+Hopper forward switched off, the Triton kernels only: the A/B baseline of the Hopper forward), SDPA's
+FlashAttention-2 (`sdpa-flash`), cuDNN and memory-efficient backends, FlashAttention-4 (`fa4`, its
+default non-deterministic backward, and `fa4-det`, deterministic=True, like flashtile's backward;
+both only when `flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine -
+else skipped with one line) and FlexAttention (torch.compile'd, with a causal block mask). Each
+implementation's output is checked against SDPA-flash before it is timed. FLOPs: forward
+4*b*h*s*s*d (half when causal), backward 2.5x. prefill.md gives flashtile against each peer and
+against the faster of cuDNN and FA4 at each shape.
 
     python -m flashtile.bench.prefill --out benchmarks/results/h100
 writes prefill.json there (rewritten after every row) and prefill.md; `--plot-only` redraws
@@ -29,7 +35,8 @@ import torch
 
 from flashtile.bench import harness
 
-PEERS = ("flashtile", "sdpa-flash", "cudnn", "mem-efficient", "flex")
+PEERS = ("flashtile", "flashtile-triton", "sdpa-flash", "cudnn", "fa4", "fa4-det", "mem-efficient", "flex")
+FA4_PEERS = ("fa4", "fa4-det")  # run only when flash_attn.cute imports
 
 
 def _sdpa(backend):
@@ -69,17 +76,65 @@ def _flex():
     return run
 
 
+def _triton_only(fn):
+    """fn with flashtile's Hopper forward switched off: configs.hopper_forward_config answers None
+    (the Triton kernel) for the duration of each call, and is restored after it, raised or not.
+    forward.py looks it up at call time; the backward never reads it, so only the forward changes."""
+    from flashtile.ops import configs
+
+    def run(*args, **kwargs):
+        hopper = configs.hopper_forward_config
+        configs.hopper_forward_config = lambda *a, **kw: None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            configs.hopper_forward_config = hopper
+
+    return run
+
+
+def _fa4_peer(fa4, deterministic: bool):
+    """(q, k, v, causal) -> out of FlashAttention-4 (BSHD in and out; it returns (out, lse))."""
+    kwargs = {"deterministic": True} if deterministic else {}  # else FA4's default backward
+
+    def run(q, k, v, causal):
+        return fa4(q, k, v, causal=causal, **kwargs)[0]
+
+    return run
+
+
+def available_peers(names, fa4=None) -> list:
+    """names without fa4 and fa4-det when FlashAttention-4 (`fa4`, default _fa4()) does not import,
+    saying so in one line; names unchanged when neither is asked for (nothing is imported then)."""
+    asked = [n for n in names if n in FA4_PEERS]
+    if not asked:
+        return list(names)
+    if (fa4 or _fa4()) is not None:
+        return list(names)
+    print(f"dense: flash_attn.cute does not import; {', '.join(asked)} skipped")
+    return [n for n in names if n not in FA4_PEERS]
+
+
 def implementations(names):
+    """{name: (q, k, v, causal) -> out} for names, BSHD tensors in and out (fa4 and fa4-det need
+    flash_attn.cute: pass names through available_peers first)."""
     from torch.nn.attention import SDPBackend
 
     import flashtile
 
+    def tile(q, k, v, causal):
+        return flashtile.flash_attn_func(q, k, v, causal=causal)
+
     table = {
-        "flashtile": lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal),
+        "flashtile": tile,
+        "flashtile-triton": _triton_only(tile),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "mem-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
     }
+    if any(n in FA4_PEERS for n in names):
+        fa4 = _fa4()
+        table.update({n: _fa4_peer(fa4, n == "fa4-det") for n in FA4_PEERS})
     if "flex" in names:
         table["flex"] = _flex()
     return {n: table[n] for n in names}
@@ -282,10 +337,10 @@ def run(args, path: str | None = None) -> dict:
 
 
 def _fa4():
-    """FlashAttention-4's flash_attn_func (CuTe DSL) or None when it is not installed."""
+    """FlashAttention-4's flash_attn_func (CuTe DSL) or None when it does not import."""
     try:
         from flash_attn.cute import flash_attn_func
-    except ImportError:
+    except Exception:  # not installed, or its CuTe DSL / CUDA bindings fail to load: a peer we go without
         return None
     return flash_attn_func
 
@@ -348,7 +403,7 @@ def run_sink(args, dtype, result, path):
 
 def run_dense(args, dtype, result, path):
     """The (d, causal, seqlen, peer) grid of the module docstring."""
-    impls = implementations(args.peers)
+    impls = implementations(available_peers(args.peers))
     ref = impls.get("sdpa-flash")
     rows = result["rows"]
     for d in args.headdims:
@@ -364,7 +419,7 @@ def run_dense(args, dtype, result, path):
                                                       None if name == "sdpa-flash" else ref)
                     except Exception as e:  # a peer without a kernel for this shape: record why
                         rows.append(dict(impl=name, d=d, causal=causal, seqlen=seqlen, error=repr(e)[:200]))
-                        print(f"{name:14s} d={d} causal={causal} s={seqlen}: {repr(e)[:120]}")
+                        print(f"{name:16s} d={d} causal={causal} s={seqlen}: {repr(e)[:120]}")
                         if path:
                             harness.write_result(path, result, quiet=True)
                         continue
@@ -372,7 +427,7 @@ def run_dense(args, dtype, result, path):
                                fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=f / fwd * 1e-9,
                                bwd_tflops=2.5 * f / bwd * 1e-9, peak_mem_mb=peak, max_err_vs_sdpa_flash=err)
                     rows.append(row)
-                    print(f"{name:14s} d={d:3d} causal={causal:d} s={seqlen:5d}  fwd {row['fwd_tflops']:6.1f}"
+                    print(f"{name:16s} d={d:3d} causal={causal:d} s={seqlen:5d}  fwd {row['fwd_tflops']:6.1f}"
                           f"  bwd {row['bwd_tflops']:6.1f} TFLOP/s  mem {peak:8.1f} MB  err {err}")
                     if path:
                         harness.write_result(path, result, quiet=True)
@@ -381,6 +436,19 @@ def run_dense(args, dtype, result, path):
 def dense_rows(data: dict) -> list:
     """The dense grid's rows (files written before the sections existed have only those)."""
     return [r for r in data["rows"] if r.get("section", "dense") == "dense" and "error" not in r]
+
+
+# flashtile thick, the peers thin; a variant shares its family's colour, dashed
+LINE_STYLE = {
+    "flashtile": dict(color="C0", linewidth=2.5),
+    "flashtile-triton": dict(color="C0", linewidth=1.2, linestyle="--"),
+    "sdpa-flash": dict(color="C1", linewidth=1.2),
+    "cudnn": dict(color="C2", linewidth=1.2),
+    "fa4": dict(color="C3", linewidth=1.2),
+    "fa4-det": dict(color="C3", linewidth=1.2, linestyle="--"),
+    "mem-efficient": dict(color="C4", linewidth=1.2),
+    "flex": dict(color="C5", linewidth=1.2),
+}
 
 
 def plot(json_path: str, out_dir: str) -> list[str]:
@@ -404,8 +472,8 @@ def plot(json_path: str, out_dir: str) -> list[str]:
                 pts = sorted((r["seqlen"], r[f"{direction}_tflops"]) for r in rows
                              if r["impl"] == name and r["d"] == d and r["causal"] == causal)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                            linewidth=2.5 if name == "flashtile" else 1.2)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=name,
+                            **LINE_STYLE[name])
             ax.set_xscale("log", base=2)
             ax.set_title(f"{direction}, d={d}, {'causal' if causal else 'non-causal'}")
             ax.set_xlabel("seqlen")
@@ -430,7 +498,8 @@ def plot(json_path: str, out_dir: str) -> list[str]:
         pts = sorted((r["seqlen"], r["peak_mem_mb"]) for r in rows
                      if r["impl"] == name and r["d"] == d_mem and r["causal"])
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=name,
+                    **LINE_STYLE[name])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("seqlen")
     ax.set_ylabel("peak memory above inputs, fwd + bwd (MB)")
@@ -444,24 +513,50 @@ def plot(json_path: str, out_dir: str) -> list[str]:
     return paths
 
 
+SUMMARY_PEERS = {"sdpa-flash": "FA2", "cudnn": "cuDNN", "fa4": "FA4", "fa4-det": "FA4-det",
+                 "flashtile-triton": "Triton"}  # summary's columns, in this order, when the file has rows
+BEST_OF = ("cudnn", "fa4")  # "vs best of cuDNN, FA4": FA4 in its default (non-deterministic) mode
+
+
+def best_peer(idx: dict, key: tuple, direction: str):
+    """(name, TFLOP/s) of the faster of cuDNN and FA4 at key = (d, causal, seqlen), None if neither ran."""
+    got = [(idx[(n, *key)][f"{direction}_tflops"], n) for n in BEST_OF if (n, *key) in idx]
+    return max(got)[::-1] if got else None
+
+
 def summary(json_path: str) -> str:
-    """Markdown table from prefill.json: flashtile against SDPA-flash (FA2) and cuDNN, as ratios."""
+    """Markdown table from prefill.json: flashtile's TFLOP/s beside the peers' (SDPA-flash as FA2,
+    cuDNN, FA4, FA4-det, the Triton-only flashtile: those the file has rows of), flashtile / peer for
+    each, and, when FA4 ran, flashtile / the faster of cuDNN and FA4 at that shape ("-": no row)."""
     with open(json_path) as f:
         data = json.load(f)
     idx = {(r["impl"], r["d"], r["causal"], r["seqlen"]): r for r in dense_rows(data)}
-    lines = ["| d | causal | seqlen | fwd flashtile / FA2 / cuDNN (TFLOP/s) | fwd vs FA2 | fwd vs cuDNN "
-             "| bwd flashtile / FA2 / cuDNN | bwd vs FA2 | bwd vs cuDNN | peak MB flashtile / FA2 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    peers = [p for p in SUMMARY_PEERS if any(i[0] == p for i in idx)]
+    has_best = "fa4" in peers
+    names = " / ".join(["flashtile"] + [SUMMARY_PEERS[p] for p in peers])
+    head = []
+    for direction in ("fwd", "bwd"):
+        head.append(f"{direction} {names}" + (" (TFLOP/s)" if direction == "fwd" else ""))
+        head += [f"{direction} vs {SUMMARY_PEERS[p]}" for p in peers]
+        if has_best:
+            head.append(f"{direction} vs best of cuDNN, FA4")
+    head.append("peak MB flashtile / FA2")
+    lines = ["| d | causal | seqlen | " + " | ".join(head) + " |", "|---|---|---|" + "---|" * len(head)]
     for (impl, d, causal, seqlen), r in sorted(idx.items(), key=lambda kv: kv[0][1:]):
-        fa2, cudnn = idx.get(("sdpa-flash", d, causal, seqlen)), idx.get(("cudnn", d, causal, seqlen))
-        if impl != "flashtile" or fa2 is None or cudnn is None:
+        if impl != "flashtile":
             continue
+        key = (d, causal, seqlen)
+        got = {p: idx.get((p, *key)) for p in peers}
         cells = [str(d), "yes" if causal else "no", str(seqlen)]
         for direction in ("fwd", "bwd"):
-            key = f"{direction}_tflops"
-            cells += [f"{r[key]:.0f} / {fa2[key]:.0f} / {cudnn[key]:.0f}",
-                      f"{r[key] / fa2[key]:.2f}x", f"{r[key] / cudnn[key]:.2f}x"]
-        cells.append(f"{r['peak_mem_mb']:.0f} / {fa2['peak_mem_mb']:.0f}")
+            tf = f"{direction}_tflops"
+            cells.append(" / ".join([f"{r[tf]:.0f}"] + [f"{g[tf]:.0f}" if g else "-" for g in got.values()]))
+            cells += [f"{r[tf] / g[tf]:.2f}x" if g else "-" for g in got.values()]
+            if has_best:
+                best = best_peer(idx, key, direction)
+                cells.append(f"{r[tf] / best[1]:.2f}x ({SUMMARY_PEERS[best[0]]})" if best else "-")
+        fa2 = idx.get(("sdpa-flash", *key))
+        cells.append(f"{r['peak_mem_mb']:.0f} / " + (f"{fa2['peak_mem_mb']:.0f}" if fa2 else "-"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += _section_summary(data)
     env = data.get("envs", {}).get("dense", data["env"])  # the dense grid's run
@@ -511,7 +606,9 @@ def main(argv=None) -> None:
     p.add_argument("--headdims", type=_ints, default=[64, 128, 256])
     p.add_argument("--seqlens", type=_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen")
-    p.add_argument("--peers", type=lambda s: s.split(","), default=list(PEERS))
+    p.add_argument("--peers", type=lambda s: s.split(","), default=list(PEERS),
+                   help=f"dense section, comma-separated from {','.join(PEERS)} (default all; fa4 and "
+                        "fa4-det are skipped when flash_attn.cute does not import)")
     p.add_argument("--flex-headdims", type=_ints, default=[128],
                    help="FlexAttention compiles per shape; limit it to these head dims")
     p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
