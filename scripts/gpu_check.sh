@@ -29,19 +29,21 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
   prefill="tests/test_prefill_cuda.py"
   varlen="tests/test_varlen_cuda.py"
   sink="tests/test_sink_cuda.py"
+  hopper="tests/test_hopper_cuda.py"
   names=("grid d32-59" "grid d64-96" "grid d111-160" "grid d192-256" "prefill other" "decode/kvcache"
-         "varlen grid d32-64" "varlen grid d96-256" "varlen other, dropout" "sink grid" "sink other")
+         "varlen grid d32-64" "varlen grid d96-256" "varlen other, dropout" "sink grid" "sink other" "hopper forward")
   cmds=("-k 'test_grid and (d32 or d40 or d59)' $prefill"
         "-k 'test_grid and (d64 or d80 or d96)' $prefill"
         "-k 'test_grid and (d111 or d128 or d160)' $prefill"
         "-k 'test_grid and (d192 or d224 or d256)' $prefill"
         "-k 'not test_grid' $prefill"
-        "tests/ --ignore=$prefill --ignore=$varlen --ignore=$sink"
+        "tests/ --ignore=$prefill --ignore=$varlen --ignore=$sink --ignore=$hopper"
         "-k 'test_varlen_grid and (d32 or d59 or d64)' $varlen"
         "-k 'test_varlen_grid and (d96 or d128 or d256)' $varlen"
         "-k 'not test_varlen_grid' $varlen"
         "-k test_prefill_grid $sink"
-        "-k 'not test_prefill_grid' $sink")
+        "-k 'not test_prefill_grid' $sink"
+        "$hopper")
   pids=()
   for i in "${!cmds[@]}"; do
     eval "timeout -s INT -k 30 $budget python -m pytest -q -m cuda -p no:cacheprovider ${cmds[$i]}" \

@@ -1,6 +1,7 @@
 """Compile the prefill kernels for sm_90 on the CPU and count their global loads/stores by width.
 
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
+    python tests/codegen_check.py forward-sm90 D [--causal]   (the Gluon Hopper forward: ptxas's report)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
 computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
@@ -22,6 +23,7 @@ import re
 import subprocess
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -105,6 +107,48 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
                           options=dict(num_warps=blocks[-2], num_stages=blocks[-1]))
 
 
+def compile_hopper_forward(d: int, causal: bool):
+    """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = configs.BlockConfig(128, 128, 4, 2)
+    kernel = forward._fwd_kernel_sm90
+    names = [p.name for p in kernel.params]
+    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages)
+    boxes = dict(q_desc=cfg.block_m // 2, k_desc=cfg.block_n, v_desc=cfg.block_n)
+    signature = {}
+    for n in names:
+        if n in const:
+            signature[n] = "constexpr"
+        elif n in boxes:
+            layout = forward.tma_box_layout(boxes[n], d, torch.bfloat16)
+            signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
+        else:
+            signature[n] = {"Out": "*bf16", "Lse": "*fp32", "qk_scale": "fp32"}.get(n, "i32")
+    src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
+
+
+def ptxas_report(compiled) -> dict:
+    """ptxas -v on the kernel's PTX: registers, spill bytes, whether it serialised the wgmmas
+    (info C7514: an accumulator read while its product may be in flight), the setmaxnreg values
+    and the shared memory."""
+    path = f"/tmp/flashtile_codegen_{os.getpid()}.ptx"
+    with open(path, "w") as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.remove(path)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return {"spill_bytes": int(spills.group(1)) if spills else 0, "wgmma_serialised": "C7514" in log,
+            "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                             compiled.asm["ptx"])}),
+            "shared_bytes": compiled.metadata.shared}
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -139,6 +183,9 @@ def global_memory_ops(compiled) -> dict:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    if argv[0] == "forward-sm90":
+        print(json.dumps(ptxas_report(compile_hopper_forward(int(argv[1]), "--causal" in argv))))
+        sys.exit(0)
     flags = {}
     if "--flags" in argv:
         i = argv.index("--flags")

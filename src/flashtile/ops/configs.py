@@ -54,6 +54,27 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
     return BlockConfig(128, 64, 8, 2)
 
 
+def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
+                          seqlen_k: int) -> BlockConfig | None:
+    """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90) where it is measured faster than
+    forward_config's, else None (the Triton kernel runs).
+
+    block_m rows in two halves, one per consumer warpgroup of num_warps = 4 (the second consumer
+    and the loader warp come on top). From tmp sweeps on the H100 (bf16, 16k tokens, TFLOP/s,
+    Hopper / Triton kernel, 2k and 8k; benchmarks/results/h100/NOTES.md "Hopper forward"):
+    d=128 (128, 128, 4, 2) 539 / 454 and 595 / 494, causal 439 / 350 and 557 / 411; 3 stages
+    within 1% of 2. d=64 (128, 128, 4, 2) 404 / 400 and 437 / 420, causal 321 / 340 and 409 / 383:
+    below the Triton kernel at causal 2k, so d=64 takes it from 8k keys on.
+    """
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
+        return None
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    if d == 64 and seqlen_k < 8192:
+        return None
+    return BlockConfig(128, 128, 4, 2)
+
+
 def delta_config(d: int, device: torch.device) -> BlockConfig:
     """The rowsum(dO * O) preprocess is a pure stream: big row blocks, no pipelining needed."""
     if device.type != "cuda":

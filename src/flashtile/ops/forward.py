@@ -22,6 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from flashtile import _checks
 from flashtile.ops import configs
@@ -240,6 +244,10 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     left, right = window
     if b * sq == 0:
         return out, lse
+    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk)
+    if hopper is not None and _hopper_supports(q, k, v, out, softcap, alibi_slopes, varlen, has_dropout, sink):
+        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right)
+        return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
             stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
@@ -250,3 +258,215 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
            EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype), HAS_DROPOUT=has_dropout,
            HAS_SINK=sink is not None, **vl_flags)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Hopper (sm_90) variant in Gluon: the same algorithm, with what Hopper adds made explicit.
+#
+# A program takes 2 x 64 query rows. A one-warp loader partition brings Q once and K/V blocks
+# through a ring of NUM_STAGES shared buffers with TMA (ready barriers per buffer and operand;
+# empty barriers both consumers release, K's after its S = Q K^T and V's after its P V). Two
+# consumer warpgroups (the default partition and a worker) each run the online softmax of their
+# 64 rows on wgmma accumulators, independently, so the warp scheduler runs one's softmax under the
+# other's matrix products. Within a warpgroup S_j = Q K_j^T is issued asynchronously before the
+# P V product of block j - 1, and the softmax of block j runs while that product is in flight
+# (FA3's intra-warpgroup overlap). Masks and block ranges are the Triton kernel's helpers.
+# Measured and left out (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to
+# alternate on the tensor cores (FA3's ping-pong) with a pair of mbarriers was slower here.
+# ----------------------------------------------------------------------------------------------
+
+# 12 warps (the two consumer warpgroups and the loader's) share the SM's 64K registers: 168 each
+# at launch; setmaxnreg then moves them to the consumers (240) from the loader (24).
+HOPPER_MAXNREG = 168
+HOPPER_CONSUMER_REGS = gl.constexpr(240)
+HOPPER_LOADER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def _fwd_sm90_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                   b, h, hk, start_m, lo, n_blocks):
+    """Loader partition: both Q halves, then K_j and V_j into buffer j % NUM_STAGES once both
+    consumers have freed it."""
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    HALF_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar, q_bufs.index(0))
+    tma.async_copy_global_to_shared(q_desc, [b, start_m + HALF_M, h, 0], q_bar, q_bufs.index(1))
+    for j in range(n_blocks):
+        stage = j % NUM_STAGES
+        # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
+        free = ((j // NUM_STAGES) & 1) ^ 1
+        row = lo + j * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), free)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, row, hk, 0], k_ready.index(stage), k_bufs.index(stage))
+        mbarrier.wait(v_empty.index(stage), free)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, row, hk, 0], v_ready.index(stage), v_bufs.index(stage))
+
+
+@gluon.jit
+def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, left, right,
+                     qk_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IN_FLIGHT: gl.constexpr):
+    """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
+    still run), mask it if block j needs a mask, and update the online softmax in the log2
+    domain: (p, alpha, m_new, l_new)."""
+    qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
+    s_layout: gl.constexpr = qk.type.layout
+    if (start_n < full_lo) | (start_n >= full_hi):
+        offs_m = start_m + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
+        offs_n = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        qk = gl.where(ok, qk, float("-inf"))
+    # the max is taken on raw products and scaled after (qk_scale > 0), so exp2's argument is one FMA
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
+    p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, half,
+                      b, h, start_m, lo, n_blocks, full_lo, full_hi, nheads, sq, sk, diag_offset, left, right,
+                      qk_scale, stride_ob, stride_om, stride_oh,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """A consumer warpgroup: rows start_m + half * HALF_M onwards over key blocks lo, lo + BLOCK_N,
+    ..., then its part of the output and the LSE (the Triton kernel's epilogue)."""
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    HALF_M: gl.constexpr = q_bufs.shape[2]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    BLOCK_D: gl.constexpr = k_bufs.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_bufs.dtype
+    row0 = start_m + half * HALF_M
+    q = q_bufs.index(half).reshape([HALF_M, BLOCK_D])
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): S's layout
+    acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    if n_blocks > 0:
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        k = k_bufs.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+        s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+        p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
+                                              left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
+        mbarrier.arrive(k_empty.index(0), count=1)
+        for j in range(1, n_blocks):
+            stage = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+            s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+            v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
+            o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+            p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
+                                                  sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 1)
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            # P_{j-1} is a register operand of the product in flight: it stays untouched until the
+            # product is done
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        last = (n_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+
+    # Rows that saw no key: l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
+    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    empty = l_i == 0.0
+    out = acc / gl.where(empty, 1.0, l_i)[:, None]
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+    offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+              + offs_m[:, None].to(gl.int64) * stride_om + offs_d[None, :])
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < sq)
+    gl.store(Lse + (b * nheads + h).to(gl.int64) * sq + offs_m, lse, mask=offs_m < sq)
+
+
+@gluon.jit(do_not_specialize=["sq", "sk", "left", "right"])
+def _fwd_kernel_sm90(Out, Lse, q_desc, k_desc, v_desc, stride_ob, stride_om, stride_oh,
+                     nheads, group, sq, sk, left, right, qk_scale,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr):
+    BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, HAS_RIGHT)
+    diag_offset = sk - sq
+    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
+                                           HAS_LEFT, HAS_RIGHT)
+    n_blocks = gl.cdiv(hi - lo, BLOCK_N)
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, 0, b, h,
+                             start_m, lo, n_blocks, full_lo, full_hi, nheads, sq, sk, diag_offset, left, right,
+                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT)),
+        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, 1, b, h,
+                             start_m, lo, n_blocks, full_lo, full_hi, nheads, sq, sk, diag_offset, left, right,
+                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT)),
+        (_fwd_sm90_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
+                          v_empty, b, h, hk, start_m, lo, n_blocks)),
+    ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
+
+
+def _hopper_supports(q, k, v, out, softcap, alibi_slopes, varlen, has_dropout, sink) -> bool:
+    """Can _fwd_kernel_sm90 take this call? Dense BSHD batches without the score modifiers, whose
+    tensors TMA can address (16-byte aligned base and strides, contiguous head dim)."""
+    if softcap > 0 or alibi_slopes is not None or varlen is not None or has_dropout or sink is not None:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+               for t in (q, k, v)) and out.stride(-1) == 1
+
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def tma_box_layout(rows: int, d: int, dtype):
+    """Shared-memory layout of a TMA box of `rows` positions of one head of a BSHD tensor."""
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _GL_DTYPES.get(dtype, dtype))
+
+
+def _descriptor(t, rows: int) -> GluonTensorDescriptor:
+    """A TMA descriptor over a BSHD tensor whose box is `rows` positions of one head: rows past the
+    sequence's end read as zeros (never the next batch's rows)."""
+    d = t.shape[-1]
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, d], tma_box_layout(rows, d, t.dtype))
+
+
+def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
+    """cfg.block_m rows per program in two halves, one per consumer warpgroup (cfg.num_warps = 4
+    each); cfg.num_stages K/V buffers."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    grid = (cdiv(sq, cfg.block_m), b * h)
+    _fwd_kernel_sm90[grid](out, lse, _descriptor(q, cfg.block_m // 2), _descriptor(k, cfg.block_n),
+                           _descriptor(v, cfg.block_n), out.stride(0), out.stride(1), out.stride(2),
+                           h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
+                           HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+                           num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)

@@ -1,0 +1,86 @@
+"""The Gluon Hopper forward (ops.forward._fwd_kernel_sm90) on an H100: the prefill grid against the
+float64 oracle with the 2x rule, forced on for every case (the dispatch would give d=64 below 8k
+keys to the Triton kernel), the layouts it takes and the ones it leaves to the Triton kernel,
+and CUDA-graph replay. Its determinism under 50 reruns is test_prefill_cuda's
+test_backward_is_reproducible (d=128 takes this kernel there)."""
+
+import pytest
+import torch
+
+from flashtile.bench.harness import capture
+from flashtile.ops import configs, forward
+from prefill_check import check_prefill, make_qkv
+
+pytestmark = pytest.mark.cuda
+
+SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023),
+           (2048, 2048), (1, 300), (300, 1), (8192, 8192)]
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+@pytest.fixture
+def hopper_launches(monkeypatch):
+    """Forces the Hopper kernel wherever it can run, and counts its launches."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels need sm_90")
+    calls = []
+    launch = forward._launch_sm90
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: configs.BlockConfig(128, 128, 4, 2))
+    monkeypatch.setattr(forward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
+    return calls
+
+
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("sq,sk", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_grid(hopper_launches, d, sq, sk, dtype, causal, heads):
+    h, hk = heads
+    check_prefill(1 if sq * sk > 2**22 else 2, sq, sk, h, hk, d, dtype, "cuda", causal=causal, backward=False)
+    assert hopper_launches
+
+
+@pytest.mark.parametrize("window", [(100, 20), (256, 0), (0, 0), (-1, 64)])
+def test_window(hopper_launches, window):
+    check_prefill(2, 700, 900, 4, 2, 128, torch.bfloat16, "cuda", window=window, backward=False)
+    assert hopper_launches
+
+
+def test_backward_from_its_lse(hopper_launches):
+    """The backward kernels recompute P from this kernel's LSE: gradients by the 2x rule."""
+    check_prefill(2, 1000, 1100, 8, 2, 64, torch.bfloat16, "cuda", causal=True)
+    assert hopper_launches
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "packed"])
+def test_strided_layouts(hopper_launches, layout):
+    """(b, h, s, d) storage and one packed qkv buffer: TMA takes their strides as they are."""
+    check_prefill(2, 1000, 1000, 8, 8, 128, torch.bfloat16, "cuda", causal=True, layout=layout, backward=False)
+    assert hopper_launches
+
+
+def test_what_tma_cannot_address_runs_the_triton_kernel(hopper_launches):
+    """A tensor 2 bytes off 16-byte alignment, and the score modifiers the Hopper kernel lacks."""
+    q, k, v = make_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16, "cuda")
+    base = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    shifted = base[1:].view(q.shape).copy_(q)
+    out, lse = forward.attention_forward(shifted, k, v, 128 ** -0.5, (None, 0))
+    ref, ref_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
+    assert len(hopper_launches) == 1  # the aligned call only
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
+    check_prefill(2, 300, 300, 4, 2, 128, torch.bfloat16, "cuda", softcap=30.0, alibi=True, backward=False)
+    assert len(hopper_launches) == 1
+
+
+def test_cuda_graph(hopper_launches):
+    """Captured once, replayed on new inputs written into the captured buffers: bitwise equal to
+    eager calls (the descriptors are kernel parameters, so the graph keeps the buffers' addresses)."""
+    q, k, v = make_qkv(2, 2048, 2048, 8, 2, 128, torch.bfloat16, "cuda")
+    graph, (out, lse) = capture(lambda: forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0)))
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        eager_out, eager_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
