@@ -60,11 +60,13 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     forward_config's, else None (the Triton kernel runs).
 
     block_m rows in two halves, one per consumer warpgroup of num_warps = 4 (the second consumer
-    and the loader warp come on top). From tmp sweeps on the H100 (bf16, 16k tokens, TFLOP/s,
-    Hopper / Triton kernel, 2k and 8k; benchmarks/results/h100/NOTES.md "Hopper forward"):
-    d=128 (128, 128, 4, 2) 539 / 454 and 595 / 494, causal 439 / 350 and 557 / 411; 3 stages
-    within 1% of 2. d=64 (128, 128, 4, 2) 404 / 400 and 437 / 420, causal 321 / 340 and 409 / 383:
-    below the Triton kernel at causal 2k, so d=64 takes it from 8k keys on.
+    and the loader warp come on top). prefill.json of 89be182 (bf16, 16k tokens, forward TFLOP/s,
+    this kernel / the Triton kernel in the same run, peer flashtile-triton): d=128 at 1k / 2k / 4k /
+    8k / 16k 477 / 382, 526 / 451, 570 / 462, 610 / 486, 554 / 495; causal 299 / 290, 449 / 345,
+    510 / 361, 560 / 401, 611 / 454. d=64 8k / 16k 453 / 418, 426 / 433; causal 420 / 383, 438 /
+    390. Below 8k keys an ad-hoc sweep (NOTES.md "Hopper forward") had d=64 causal 2k at 321
+    against the Triton kernel's 340, so d=64 takes it from 8k keys on. 3 K/V stages: within 1% of 2
+    at d=128; at d=64 (3 and 4 stages) -7% to +2%.
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
         return None
