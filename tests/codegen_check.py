@@ -131,17 +131,10 @@ def compile_hopper_forward(d: int, causal: bool):
 
 
 def ptxas_report(compiled) -> dict:
-    """ptxas -v on the kernel's PTX: registers, spill bytes, whether it serialised the wgmmas
-    (info C7514: an accumulator read while its product may be in flight), the setmaxnreg values
-    and the shared memory."""
-    path = f"/tmp/flashtile_codegen_{os.getpid()}.ptx"
-    with open(path, "w") as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        log = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", path, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    finally:
-        os.remove(path)
+    """ptxas -v on the kernel's PTX: spill bytes, whether it serialised the wgmmas (info C7514: an
+    accumulator read while its product may be in flight), the setmaxnreg values and the shared
+    memory."""
+    log = _ptxas_log(compiled)
     spills = re.search(r"(\d+) bytes spill stores", log)
     return {"spill_bytes": int(spills.group(1)) if spills else 0, "wgmma_serialised": "C7514" in log,
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
@@ -153,16 +146,21 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def registers(compiled) -> dict:
-    """{'regs': n, 'spill_bytes': n} from ptxas -v on the kernel's PTX."""
+def _ptxas_log(compiled) -> str:
+    """What ptxas -v -arch=sm_90a prints for the kernel's PTX."""
     path = f"/tmp/flashtile_codegen_{os.getpid()}.ptx"
     with open(path, "w") as f:
         f.write(compiled.asm["ptx"])
     try:
-        log = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", path, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
+        return subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
     finally:
         os.remove(path)
+
+
+def registers(compiled) -> dict:
+    """{'regs': n, 'spill_bytes': n} from ptxas -v on the kernel's PTX."""
+    log = _ptxas_log(compiled)
     spills = re.search(r"(\d+) bytes spill stores", log)
     return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
             "spill_bytes": int(spills.group(1)) if spills else 0}
