@@ -61,7 +61,8 @@ def test_strided_layouts(hopper_launches, layout):
 
 
 def test_what_tma_cannot_address_runs_the_triton_kernel(hopper_launches):
-    """A tensor 2 bytes off 16-byte alignment, and the score modifiers the Hopper kernel lacks."""
+    """A tensor 2 bytes off 16-byte alignment, one expanded over the batch (stride 0), and the
+    score modifiers the Hopper kernel lacks."""
     q, k, v = make_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16, "cuda")
     base = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
     shifted = base[1:].view(q.shape).copy_(q)
@@ -69,8 +70,13 @@ def test_what_tma_cannot_address_runs_the_triton_kernel(hopper_launches):
     ref, ref_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
     assert len(hopper_launches) == 1  # the aligned call only
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
+    shared_k = k[:1].expand_as(k)
+    out, lse = forward.attention_forward(q, shared_k, v, 128 ** -0.5, (None, 0))
+    ref, ref_lse = forward.attention_forward(q, shared_k.contiguous(), v, 128 ** -0.5, (None, 0))
+    assert len(hopper_launches) == 2  # the contiguous copy only
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
     check_prefill(2, 300, 300, 4, 2, 128, torch.bfloat16, "cuda", softcap=30.0, alibi=True, backward=False)
-    assert len(hopper_launches) == 1
+    assert len(hopper_launches) == 2
 
 
 def test_cuda_graph(hopper_launches):

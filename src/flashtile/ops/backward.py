@@ -37,7 +37,7 @@ from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
                                    dropout_seed, head_chunked_order, head_dim_mask, in_window,
                                    kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds, visible)
-from flashtile.ops.forward import dropout_args, grid_lengths, seq_strides, varlen_args
+from flashtile.ops.forward import dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args
 
 
 @triton.jit(do_not_specialize=["sq", "head_dim"])
@@ -405,14 +405,6 @@ def _bwd_kernel(
             threshold, dropout_scale, head_dim,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
             DQ_TMA, DOT_PRECISION, WRITE_DELTA, IS_VARLEN, HAS_DROPOUT)
-
-
-def tma_ok(t) -> bool:
-    """Can the copy engine (TMA) read t? Non-empty, 16-byte aligned base, positive 16-byte aligned
-    strides, contiguous last dim (an expanded gradient, with 0 strides, takes the pointer path)."""
-    size = t.element_size()
-    return (t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
 def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:

@@ -435,13 +435,20 @@ def _fwd_kernel_sm90(Out, Lse, q_desc, k_desc, v_desc, stride_ob, stride_om, str
     ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
+def tma_ok(t) -> bool:
+    """Can the copy engine (TMA) read t? Non-empty, 16-byte aligned base, positive 16-byte aligned
+    strides, contiguous last dim (an expanded gradient, with 0 strides, takes the pointer path)."""
+    size = t.element_size()
+    return (t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
+
+
 def _hopper_supports(q, k, v, out, softcap, alibi_slopes, varlen, has_dropout, sink) -> bool:
     """Can _fwd_kernel_sm90 take this call? Dense BSHD batches without the score modifiers, whose
-    tensors TMA can address (16-byte aligned base and strides, contiguous head dim)."""
+    inputs TMA can address and whose output has a contiguous head dim."""
     if softcap > 0 or alibi_slopes is not None or varlen is not None or has_dropout or sink is not None:
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-               for t in (q, k, v)) and out.stride(-1) == 1
+    return all(map(tma_ok, (q, k, v))) and out.stride(-1) == 1
 
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
