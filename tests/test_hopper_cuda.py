@@ -1,5 +1,5 @@
 """The Gluon Hopper forward (ops.forward._fwd_kernel_sm90) on an H100: the prefill grid against the
-float64 oracle with the 2x rule, forced on for every case (the dispatch would give d=64 below 8k
+float64 oracle with the 2x rule, forced on for every case (the dispatch would give d=64 below 4k
 keys to the Triton kernel), the layouts it takes and the ones it leaves to the Triton kernel,
 and CUDA-graph replay. Its determinism under 50 reruns is test_prefill_cuda's
 test_backward_is_reproducible (d=128 takes this kernel there)."""

@@ -64,15 +64,15 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     this kernel / the Triton kernel in the same run, peer flashtile-triton): d=128 at 1k / 2k / 4k /
     8k / 16k 477 / 382, 526 / 451, 570 / 462, 610 / 486, 554 / 495; causal 299 / 290, 449 / 345,
     510 / 361, 560 / 401, 611 / 454. d=64 8k / 16k 453 / 418, 426 / 433; causal 420 / 383, 438 /
-    390. Below 8k keys an ad-hoc sweep (NOTES.md "Hopper forward") had d=64 causal 2k at 321
-    against the Triton kernel's 340, so d=64 takes it from 8k keys on. 3 K/V stages: within 1% of 2
-    at d=128; at d=64 (3 and 4 stages) -7% to +2%.
+    390. d=64 at 2k / 4k in an ad-hoc sweep (NOTES.md "Hopper forward", one run): 402 / 425 against
+    400 / 405, causal 322 / 376 against 337 / 362, so d=64 takes it from 4k keys on. 3 K/V stages:
+    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%.
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):
         return None
-    if d == 64 and seqlen_k < 8192:
+    if d == 64 and seqlen_k < 4096:
         return None
     return BlockConfig(128, 128, 4, 2)
 
