@@ -14,7 +14,7 @@ from prefill_check import check_prefill, make_qkv
 pytestmark = pytest.mark.cuda
 
 SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023),
-           (2048, 2048), (1, 300), (300, 1), (8192, 8192)]
+           (2048, 2048), (1, 300), (300, 1), (300, 17), (200, 113), (8192, 8192)]
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 
@@ -41,10 +41,30 @@ def test_grid(hopper_launches, d, sq, sk, dtype, causal, heads):
     assert hopper_launches
 
 
-@pytest.mark.parametrize("window", [(100, 20), (256, 0), (0, 0), (-1, 64)])
-def test_window(hopper_launches, window):
-    check_prefill(2, 700, 900, 4, 2, 128, torch.bfloat16, "cuda", window=window, backward=False)
+@pytest.mark.parametrize("lengths", [(700, 900), (900, 700)], ids=["sq<sk", "sq>sk"])
+@pytest.mark.parametrize("window", [(100, 20), (256, 0), (0, 0), (-1, 64), (64, -1)])
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128-bf16", "d64-fp16"])
+def test_window(hopper_launches, window, lengths, d, dtype):
+    check_prefill(2, *lengths, 4, 2, d, dtype, "cuda", window=window, backward=False)
     assert hopper_launches
+
+
+def test_strided_out(hopper_launches):
+    """out a view into a wider buffer: the epilogue's pointer stores take its strides."""
+    q, k, v = make_qkv(2, 600, 600, 4, 2, 128, torch.bfloat16, "cuda")
+    wide = torch.full((2, 600, 4, 256), float("nan"), dtype=q.dtype, device="cuda")
+    out, lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0), out=wide[..., 64:192])
+    ref, ref_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert wide[..., :64].isnan().all() and wide[..., 192:].isnan().all()
+
+
+def test_negative_scale_runs_the_triton_kernel(hopper_launches):
+    """A negative softmax_scale (accepted by the API) would turn its raw-product row max into the
+    row min: it goes to the Triton kernel, which scales before the max."""
+    q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, "cuda")
+    out, lse = forward.attention_forward(q, k, v, -0.1, (None, 0))
+    assert not hopper_launches and torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
 def test_backward_from_its_lse(hopper_launches):

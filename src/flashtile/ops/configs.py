@@ -55,7 +55,7 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
 
 
 def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
-                          seqlen_k: int) -> BlockConfig | None:
+                          seqlen_k: int, seqlen_q: int) -> BlockConfig | None:
     """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90) where it is measured faster than
     forward_config's, else None (the Triton kernel runs).
 
@@ -66,13 +66,16 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     510 / 361, 560 / 401, 611 / 454. d=64 8k / 16k 453 / 418, 426 / 433; causal 420 / 383, 438 /
     390. d=64 at 2k / 4k in an ad-hoc sweep (NOTES.md "Hopper forward", one run): 402 / 425 against
     400 / 405, causal 322 / 376 against 337 / 362, so d=64 takes it from 4k keys on. 3 K/V stages:
-    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%.
+    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. Fewer than 128 query rows
+    (decoding steps and short chunks through flash_attn_func) were not measured and keep the
+    Triton kernel, whose 64-row programs waste less of a short sequence and whose launch is cached
+    (this one goes through Gluon's per-call binder).
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):
         return None
-    if d == 64 and seqlen_k < 4096:
+    if seqlen_q < 128 or (d == 64 and seqlen_k < 4096):
         return None
     return BlockConfig(128, 128, 4, 2)
 

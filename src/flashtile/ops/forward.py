@@ -244,8 +244,9 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     left, right = window
     if b * sq == 0:
         return out, lse
-    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk)
-    if hopper is not None and _hopper_supports(q, k, v, out, softcap, alibi_slopes, varlen, has_dropout, sink):
+    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq)
+    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, has_dropout,
+                                               sink):
         _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right)
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
@@ -286,13 +287,15 @@ HOPPER_LOADER_REGS = gl.constexpr(24)
 def _fwd_sm90_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                    b, h, hk, start_m, lo, n_blocks):
     """Loader partition: both Q halves, then K_j and V_j into buffer j % NUM_STAGES once both
-    consumers have freed it."""
+    consumers have freed it. A program that sees no key loads nothing (nobody would wait for it,
+    and the program must not end with copies into its shared memory in flight)."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     HALF_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar, q_bufs.index(0))
-    tma.async_copy_global_to_shared(q_desc, [b, start_m + HALF_M, h, 0], q_bar, q_bufs.index(1))
+    if n_blocks > 0:
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar, q_bufs.index(0))
+        tma.async_copy_global_to_shared(q_desc, [b, start_m + HALF_M, h, 0], q_bar, q_bufs.index(1))
     for j in range(n_blocks):
         stage = j % NUM_STAGES
         # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
@@ -443,10 +446,12 @@ def tma_ok(t) -> bool:
             and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def _hopper_supports(q, k, v, out, softcap, alibi_slopes, varlen, has_dropout, sink) -> bool:
-    """Can _fwd_kernel_sm90 take this call? Dense BSHD batches without the score modifiers, whose
-    inputs TMA can address and whose output has a contiguous head dim."""
-    if softcap > 0 or alibi_slopes is not None or varlen is not None or has_dropout or sink is not None:
+def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, has_dropout, sink) -> bool:
+    """Can _fwd_kernel_sm90 take this call? Dense BSHD batches with a positive scale (its row max
+    is taken on raw products) and without the score modifiers, whose inputs TMA can address and
+    whose output has a contiguous head dim."""
+    if (qk_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None or has_dropout
+            or sink is not None):
         return False
     return all(map(tma_ok, (q, k, v))) and out.stride(-1) == 1
 

@@ -1,0 +1,68 @@
+"""Host side of the Hopper forward on the CPU: which calls the dispatch gives it (configs) and
+which tensors it can address (forward._hopper_supports). The kernel itself: test_codegen.py
+(compiled for sm_90a here) and test_hopper_cuda.py (on the H100)."""
+
+import pytest
+import torch
+
+from flashtile.ops import configs, forward
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def test_dispatch(sm90, monkeypatch):
+    bf16 = torch.bfloat16
+    assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024) is not None
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096) is not None
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=2048, seqlen_q=2048) is None
+    assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=1) is None
+    assert configs.hopper_forward_config(96, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
+    assert configs.hopper_forward_config(128, torch.float32, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
+    assert configs.hopper_forward_config(128, bf16, torch.device("cpu"), causal=True, seqlen_k=8192,
+                                         seqlen_q=8192) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
+
+
+def qkv(b=2, s=256, h=4, d=128):
+    return [torch.randn(b, s, h, d, dtype=torch.bfloat16) for _ in range(3)]
+
+
+def test_supports_plain_strided_layouts():
+    q, k, v = qkv()
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, None, False, None)
+    bhsd = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, 0.0, None, None, False, None)
+
+
+def test_refuses_what_tma_cannot_read():
+    q, k, v = qkv()
+    out = torch.empty_like(q)
+    shared_k = k[:1].expand_as(k)  # stride 0 over the batch
+    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, 0.0, None, None, False, None)
+    base = torch.empty(q.numel() + 1, dtype=q.dtype)
+    shifted = base[1:].view(q.shape)  # 2 bytes past 16-byte alignment
+    assert shifted.data_ptr() % 16 != 0
+    assert not forward._hopper_supports(shifted, k, v, out, 1.0, 0.0, None, None, False, None)
+    odd = torch.randn(2, 256, 4, 130, dtype=torch.bfloat16)[..., :128]  # head stride of 260 bytes
+    assert not forward._hopper_supports(q, odd, v, out, 1.0, 0.0, None, None, False, None)
+    assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, 0.0, None,
+                                        None, False, None)
+
+
+@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "varlen", "dropout", "sink"])
+def test_refuses_score_modifiers(modifier):
+    """The score modifiers it lacks, and a negative scale: its row max is taken on the raw
+    products and scaled after, which a negative scale would turn into the row min."""
+    q, k, v = qkv()
+    args = dict(qk_scale=1.0, softcap=0.0, alibi_slopes=None, varlen=None, has_dropout=False, sink=None)
+    args.update({"negative scale": dict(qk_scale=-0.1), "softcap": dict(softcap=30.0),
+                 "alibi": dict(alibi_slopes=torch.rand(4)),
+                 "varlen": dict(varlen=object()), "dropout": dict(has_dropout=True),
+                 "sink": dict(sink=torch.zeros(4))}[modifier])
+    assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
