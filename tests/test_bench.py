@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from flashtile.bench import decode, harness, prefill
+from flashtile.bench import decode, harness, prefill, prefill_report
 
 CEILINGS = {"copy_GBps": 3000.0, "matmul_bf16_TFLOPs": 700.0}
 
@@ -82,7 +82,7 @@ def test_prefill_dropout_section_rows(tmp_path, monkeypatch):
     assert len(rows) == 8 and {r["section"] for r in rows} == {"dropout"}
     ratios = [r["fwd_bwd_vs_no_dropout"] for r in rows if "fwd_bwd_vs_no_dropout" in r]
     assert ratios == [pytest.approx(1.25)] * 4
-    table = prefill._section_summary(result)
+    table = prefill_report._section_summary(result)
     assert "| 0.1 | flashtile | 64 | no | 1024 | 1.250x |" in table
 
 
@@ -130,7 +130,7 @@ def test_prefill_summary_and_plot_with_fa4_and_triton_rows(tmp_path):
     path = str(tmp_path / "prefill.json")
     harness.write_result(path, dict(env=env, ceilings=CEILINGS, dtype="bfloat16", tokens=16384, rows=rows))
 
-    table = prefill.summary(path)
+    table = prefill_report.summary(path)
     head, rule, non_causal, causal = table.splitlines()[:4]
     cols = [c.strip() for c in head.strip("|").split("|")]
     assert cols[3] == "fwd flashtile / FA2 / cuDNN / FA4 / FA4-det / Triton (TFLOP/s)"
@@ -144,9 +144,9 @@ def test_prefill_summary_and_plot_with_fa4_and_triton_rows(tmp_path):
     cells = dict(zip(cols, (c.strip() for c in causal.strip("|").split("|"))))
     assert cells["fwd vs cuDNN"] == "-" and cells["fwd vs best of cuDNN, FA4"] == f"{420 / 400:.2f}x (FA4)"
     assert cells["bwd flashtile / FA2 / cuDNN / FA4 / FA4-det / Triton"] == "240 / 200 / - / 250 / 220 / 240"
-    assert prefill.best_peer({("cudnn", 64, False, 1): {"fwd_tflops": 1.0}}, (64, False, 2), "fwd") is None
+    assert prefill_report.best_peer({("cudnn", 64, False, 1): {"fwd_tflops": 1.0}}, (64, False, 2), "fwd") is None
 
-    names = [os.path.basename(p) for p in prefill.plot(path, str(tmp_path))]
+    names = [os.path.basename(p) for p in prefill_report.plot(path, str(tmp_path))]
     assert names == ["prefill.png", "prefill_memory.png"]
     assert all((tmp_path / n).stat().st_size > 0 for n in names)
 
@@ -219,7 +219,7 @@ def test_prefill_plot_with_no_successful_row(tmp_path):
     path = str(tmp_path / "prefill.json")
     harness.write_result(path, dict(env={}, ceilings=CEILINGS, dtype="bfloat16", tokens=16384,
                                     rows=[dict(impl="flashtile", d=64, causal=False, seqlen=512, error="x")]))
-    assert prefill.plot(path, str(tmp_path)) == []
+    assert prefill_report.plot(path, str(tmp_path)) == []
 
 
 def test_decode_row_failure_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):

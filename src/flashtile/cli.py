@@ -96,9 +96,10 @@ def _bench(args, parser) -> int:
             raise
         module = None
     if module is None:
-        # harness holds the helpers the benchmarks share; it is not a benchmark itself
+        # harness holds the helpers the benchmarks share, prefill_report draws and tabulates
+        # prefill.json: neither is a benchmark itself
         available = sorted(m.name for m in pkgutil.iter_modules(flashtile.bench.__path__)
-                           if not m.name.startswith("_") and m.name != "harness")
+                           if not m.name.startswith("_") and m.name not in ("harness", "prefill_report"))
         parser.error(f"no benchmark named {args.name!r} (no module {module_name}); "
                      f"available: {', '.join(available) or 'none yet'}")
     if not callable(getattr(module, "main", None)):
