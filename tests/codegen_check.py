@@ -111,7 +111,7 @@ def compile_hopper_forward(d: int, causal: bool):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = configs.BlockConfig(128, 128, 4, 2)
+    cfg = configs.hopper_forward_tiles(d)
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages)

@@ -44,7 +44,7 @@ def test_uneven_head_dim_detected_as_scalar():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_forward_compiles_for_sm90(d, causal):
     """The Gluon forward compiles for sm_90a without spills, with its register split (consumers 240,
     loader 24), inside the SM's 227 KB of shared memory, and with its wgmmas asynchronous: ptxas

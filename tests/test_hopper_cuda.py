@@ -1,6 +1,6 @@
 """The Gluon Hopper forward (ops.forward._fwd_kernel_sm90) on an H100: the prefill grid against the
 float64 oracle with the 2x rule, forced on for every case (the dispatch would give d=64 below 4k
-keys to the Triton kernel), the layouts it takes and the ones it leaves to the Triton kernel,
+keys, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and the ones it leaves to the Triton kernel,
 and CUDA-graph replay. Its determinism under 50 reruns is test_prefill_cuda's
 test_backward_is_reproducible (d=128 takes this kernel there)."""
 
@@ -25,7 +25,7 @@ def hopper_launches(monkeypatch):
         pytest.skip("the Hopper kernels need sm_90")
     calls = []
     launch = forward._launch_sm90
-    monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: configs.BlockConfig(128, 128, 4, 2))
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda d, *a, **kw: configs.hopper_forward_tiles(d))
     monkeypatch.setattr(forward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 
@@ -34,7 +34,7 @@ def hopper_launches(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("sq,sk", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 def test_grid(hopper_launches, d, sq, sk, dtype, causal, heads):
     h, hk = heads
     check_prefill(1 if sq * sk > 2**22 else 2, sq, sk, h, hk, d, dtype, "cuda", causal=causal, backward=False)

@@ -66,18 +66,28 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     510 / 361, 560 / 401, 611 / 454. d=64 8k / 16k 453 / 418, 426 / 433; causal 420 / 383, 438 /
     390. d=64 at 2k / 4k in an ad-hoc sweep (NOTES.md "Hopper forward", one run): 402 / 425 against
     400 / 405, causal 322 / 376 against 337 / 362, so d=64 takes it from 4k keys on. 3 K/V stages:
-    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. Fewer than 128 query rows
+    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. d=256 (prefill_d256.json of
+    ccdaa4c + d=256): 1.24-1.30x the Triton kernel at 1k-16k non-causal and 2k-16k causal; causal 1k
+    swung between 155 and 378 TFLOP/s in five measurements (the Triton kernel: 286-289), so it keeps the
+    Triton kernel there. Fewer than 128 query rows
     (decoding steps and short chunks through flash_attn_func) were not measured and keep the
     Triton kernel, whose 64-row programs waste less of a short sequence and whose launch is cached
     (this one goes through Gluon's per-call binder).
     """
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):
         return None
-    if seqlen_q < 128 or (d == 64 and seqlen_k < 4096):
+    if seqlen_q < 128 or (d == 64 and seqlen_k < 4096) or (d == 256 and causal and seqlen_k < 2048):
         return None
-    return BlockConfig(128, 128, 4, 2)
+    return hopper_forward_tiles(d)
+
+
+def hopper_forward_tiles(d: int) -> BlockConfig:
+    """The Hopper forward's tiles at head dim d (64, 128 or 256). d=256 takes 64-key blocks: its
+    128-key ones would not fit shared memory beside Q; (128, 32, 4, 3) measured 418-520 TFLOP/s
+    against (128, 64, 4, 2)'s 487-662 in one sweep (NOTES.md "Hopper forward")."""
+    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(128, 128, 4, 2)
 
 
 def delta_config(d: int, device: torch.device) -> BlockConfig:
