@@ -68,11 +68,11 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     400 / 405, causal 322 / 376 against 337 / 362, so d=64 takes it from 4k keys on. 3 K/V stages:
     within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. d=256 (prefill_d256.json of
     ccdaa4c + d=256): 1.24-1.30x the Triton kernel at 1k-16k non-causal and 2k-16k causal; causal 1k
-    swung between 155 and 378 TFLOP/s in five measurements (the Triton kernel: 286-289), so it keeps the
-    Triton kernel there. Fewer than 128 query rows
-    (decoding steps and short chunks through flash_attn_func) were not measured and keep the
-    Triton kernel, whose 64-row programs waste less of a short sequence and whose launch is cached
-    (this one goes through Gluon's per-call binder).
+    swung between 155 and 378 TFLOP/s in five measurements (the Triton kernel: 286-289), so it
+    keeps the Triton kernel there. Fewer than 128 query rows (decoding steps and short chunks
+    through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
+    waste less of a short sequence and whose launch is cached (this one goes through Gluon's
+    per-call binder).
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
