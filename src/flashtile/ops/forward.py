@@ -19,6 +19,8 @@ Flags of the same kernel (constexprs: off, they compile to the dense kernel's co
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -426,6 +428,8 @@ def _fwd_kernel_sm90(Out, Lse, q_desc, k_desc, v_desc, stride_ob, stride_om, str
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
 
+    # the two consumers' arguments are spelled out: a tuple built by concatenation inside the jit
+    # function loses the constexpr-ness of HAS_LEFT / HAS_RIGHT
     gl.warp_specialize([
         (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, 0, b, h,
                              start_m, lo, n_blocks, full_lo, full_hi, nheads, sq, sk, diag_offset, left, right,
@@ -459,8 +463,10 @@ def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, has_
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+@functools.lru_cache(maxsize=None)
 def tma_box_layout(rows: int, d: int, dtype):
-    """Shared-memory layout of a TMA box of `rows` positions of one head of a BSHD tensor."""
+    """Shared-memory layout of a TMA box of `rows` positions of one head of a BSHD tensor (a frozen
+    dataclass: made once per shape, not on every call's host path)."""
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _GL_DTYPES.get(dtype, dtype))
 
 
