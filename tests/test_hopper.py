@@ -69,3 +69,71 @@ def test_refuses_score_modifiers(modifier):
                  "varlen": dict(varlen=object()), "dropout": dict(has_dropout=True),
                  "sink": dict(sink=torch.zeros(4))}[modifier])
     assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper backward (ops.backward._bwd_kernel_sm90): dispatch, what it takes, and that asking
+# for a deterministic backward keeps it away.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_backward_dispatch(sm90, monkeypatch):
+    bf16 = torch.bfloat16
+    for d in (64, 128):
+        for dtype in (bf16, torch.float16):
+            assert configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024) == configs.HOPPER_BACKWARD_TILES
+    assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
+    for d in (32, 96, 256):
+        assert configs.hopper_backward_config(d, bf16, CUDA, seqlen_q=4096) is None
+    assert configs.hopper_backward_config(128, torch.float32, CUDA, seqlen_q=4096) is None
+    assert configs.hopper_backward_config(128, bf16, torch.device("cpu"), seqlen_q=4096) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=4096) is None
+
+
+@pytest.mark.parametrize("refused", ["none", "negative scale", "softcap", "alibi", "varlen", "dropout",
+                                     "expanded k", "misaligned dk"])
+def test_backward_supports(refused):
+    from flashtile.ops import backward
+
+    q, k, v = qkv()
+    dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = dict(softmax_scale=0.1, softcap=0.0, alibi_slopes=None, varlen=None, dropout=None)
+    if refused == "expanded k":
+        k = k[:1].expand_as(k)
+    elif refused == "misaligned dk":
+        dk = torch.empty(dk.numel() + 1, dtype=dk.dtype)[1:].view(dk.shape)
+    elif refused != "none":
+        args.update({"negative scale": dict(softmax_scale=-0.1), "softcap": dict(softcap=30.0),
+                     "alibi": dict(alibi_slopes=torch.rand(4)), "varlen": dict(varlen=object()),
+                     "dropout": dict(dropout=(0.1, None))}[refused])
+    assert backward._hopper_supports(q, k, v, dout, dk, dv, **args) == (refused == "none")
+
+
+@pytest.mark.parametrize("how", ["default", "deterministic=True", "torch.use_deterministic_algorithms"])
+def test_deterministic_keeps_the_triton_backward(monkeypatch, how):
+    """flash_attn_func's deterministic (and torch's global switch) reach the backward: with either,
+    the Hopper kernel (whose dQ sums in a varying order) is never launched. Run on the CPU with
+    the dispatch forced and the launch replaced by a recorder that raises."""
+    import flashtile
+    from flashtile.ops import backward
+
+    class Launched(Exception):
+        pass
+
+    def record(*args):
+        raise Launched
+
+    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: configs.HOPPER_BACKWARD_TILES)
+    monkeypatch.setattr(backward, "_launch_sm90", record)
+    q, k, v = (torch.randn(1, 40, 2, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    if how == "torch.use_deterministic_algorithms":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=how == "deterministic=True")
+    dout = torch.randn_like(out)  # (out.sum()'s would be expanded: stride 0, which TMA cannot read)
+    if how == "default":
+        with pytest.raises(Launched):
+            out.backward(dout)
+    else:
+        out.backward(dout)
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

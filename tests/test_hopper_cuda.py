@@ -1,14 +1,16 @@
-"""The Gluon Hopper forward (ops.forward._fwd_kernel_sm90) on an H100: the prefill grid against the
-float64 oracle with the 2x rule, forced on for every case (the dispatch would give d=64 below 4k
-keys, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and the ones it leaves to the Triton kernel,
-and CUDA-graph replay. Its determinism under 50 reruns is test_prefill_cuda's
-test_backward_is_reproducible (d=128 takes this kernel there)."""
+"""The Gluon Hopper kernels on an H100. The forward (ops.forward._fwd_kernel_sm90): the prefill
+grid against the float64 oracle with the 2x rule, forced on for every case (the dispatch would give
+d=64 below 4k keys, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and
+the ones it leaves to the Triton kernel, and CUDA-graph replay; its determinism under 50 reruns is
+test_prefill_cuda's test_backward_is_reproducible (d=128 takes this kernel there). The backward
+(ops.backward._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, reruns and
+CUDA-graph replay."""
 
 import pytest
 import torch
 
 from flashtile.bench.harness import capture
-from flashtile.ops import configs, forward
+from flashtile.ops import backward, configs, forward
 from prefill_check import check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
@@ -110,3 +112,98 @@ def test_cuda_graph(hopper_launches):
         graph.replay()
         eager_out, eager_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
         assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Gluon Hopper backward (ops.backward._bwd_kernel_sm90), forced on for every case it takes.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hopper_backward_launches(monkeypatch):
+    """Forces the Hopper backward wherever it can run (the dispatch would give fewer than 128 query
+    rows to the Triton programs), and counts its launches."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels need sm_90")
+    calls = []
+    launch = backward._launch_sm90
+    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: configs.HOPPER_BACKWARD_TILES)
+    monkeypatch.setattr(backward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
+    return calls
+
+
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("sq,sk", SEQLENS[:-1], ids=[f"{a}x{b}" for a, b in SEQLENS[:-1]])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_backward_grid(hopper_backward_launches, d, sq, sk, dtype, causal, heads):
+    """dQ, dK, dV against the float64 oracle with the 2x rule (outputs poisoned first)."""
+    h, hk = heads
+    check_prefill(2, sq, sk, h, hk, d, dtype, "cuda", causal=causal)
+    assert hopper_backward_launches
+
+
+@pytest.mark.parametrize("lengths", [(700, 900), (900, 700)], ids=["sq<sk", "sq>sk"])
+@pytest.mark.parametrize("window", [(100, 20), (256, 0), (0, 0), (-1, 64), (64, -1)])
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128-bf16", "d64-fp16"])
+def test_backward_window(hopper_backward_launches, window, lengths, d, dtype):
+    check_prefill(2, *lengths, 4, 2, d, dtype, "cuda", window=window)
+    assert hopper_backward_launches
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "packed"])
+def test_backward_strided_layouts(hopper_backward_launches, layout):
+    check_prefill(2, 1000, 1000, 8, 8, 128, torch.bfloat16, "cuda", causal=True, layout=layout)
+    assert hopper_backward_launches
+
+
+def test_backward_sink(hopper_backward_launches):
+    """With an attention sink the caller takes delta (shaped like lse) for the sink's gradient."""
+    check_prefill(2, 600, 700, 4, 2, 128, torch.bfloat16, "cuda", causal=True, sink=True)
+    assert hopper_backward_launches
+
+
+def test_backward_long(hopper_backward_launches):
+    """16k keys (one head pair): the oracle in float64 still fits; 2x rule."""
+    check_prefill(1, 4096, 16384, 2, 1, 128, torch.bfloat16, "cuda", causal=True)
+    assert hopper_backward_launches
+
+
+def _grads(q, k, v, dout, window, **kw):
+    out, lse = forward.attention_forward(q, k, v, q.shape[-1] ** -0.5, window)
+    return backward.attention_backward(dout, q, k, v, out, lse, q.shape[-1] ** -0.5, window, **kw)
+
+
+def test_backward_reruns(hopper_backward_launches):
+    """20 reruns: dK and dV (summed in registers) bitwise equal; dQ (summed by TMA reductions in
+    whatever order the programs finish) equal to the deterministic path's to fp32 rounding of the
+    sum order, well inside the 2x rule."""
+    q, k, v = make_qkv(2, 4096, 4096, 16, 4, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    first = _grads(q, k, v, dout, (None, 0))
+    for _ in range(20):
+        dq, dk, dv = _grads(q, k, v, dout, (None, 0))
+        assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+        torch.testing.assert_close(dq, first[0], atol=2e-3, rtol=1e-2)
+    launches = len(hopper_backward_launches)
+    ref = _grads(q, k, v, dout, (None, 0), deterministic=True)
+    assert len(hopper_backward_launches) == launches  # deterministic=True: not this kernel
+    for a, b in zip(first, ref):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_backward_cuda_graph(hopper_backward_launches):
+    """Captured once, replayed on new inputs: dK, dV bitwise equal to eager calls, dQ to the sum
+    order (the fp32 dQ buffer is allocated and zeroed inside the graph)."""
+    q, k, v = make_qkv(2, 2048, 2048, 8, 2, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    graph, captured = capture(lambda: _grads(q, k, v, dout, (None, 0)))
+    for _ in range(3):
+        for t in (q, k, v, dout):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        dq, dk, dv = _grads(q, k, v, dout, (None, 0))
+        assert torch.equal(captured[1], dk) and torch.equal(captured[2], dv)
+        torch.testing.assert_close(captured[0], dq, atol=2e-3, rtol=1e-2)
+    assert hopper_backward_launches

@@ -58,7 +58,8 @@ def test_api_autograd_end_to_end():
 
 
 def test_backward_is_reproducible():
-    """A large backward 50 times: out, LSE, dQ, dK, dV bitwise equal (no races)."""
+    """A large backward 50 times with deterministic=True: out, LSE, dQ, dK, dV bitwise equal (no
+    races). (The default Hopper backward: test_hopper_cuda.test_backward_reruns.)"""
     q, k, v = make_qkv(4, 4096, 4096, 16, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     from flashtile.ops.backward import attention_backward
@@ -68,7 +69,7 @@ def test_backward_is_reproducible():
     first = None
     for _ in range(50):
         out, lse = attention_forward(q, k, v, 128 ** -0.5, (None, 0))
-        dq_, dk, dv = attention_backward(dout, q, k, v, out, lse, 128 ** -0.5, (None, 0))
+        dq_, dk, dv = attention_backward(dout, q, k, v, out, lse, 128 ** -0.5, (None, 0), deterministic=True)
         now = dict(out=out, lse=lse, dq=dq_, dk=dk, dv=dv)
         if first is None:
             first = {n: now[n].clone() for n in names}
@@ -78,9 +79,10 @@ def test_backward_is_reproducible():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_cuda_graph(d):
-    """The backward (the dQ launch, then the dK/dV launch as its programmatic dependent; TMA
-    descriptors at d=128) captured in a CUDA graph and replayed on new inputs written into the
-    captured buffers: bitwise equal to eager launches."""
+    """The deterministic backward (the dQ launch, then the dK/dV launch as its programmatic
+    dependent; TMA descriptors at d=128) captured in a CUDA graph and replayed on new inputs
+    written into the captured buffers: bitwise equal to eager launches. (The Hopper backward:
+    test_hopper_cuda.test_backward_cuda_graph.)"""
     from flashtile.ops.backward import attention_backward
     from flashtile.ops.forward import attention_forward
 
@@ -88,7 +90,7 @@ def test_backward_cuda_graph(d):
     q, k, v = make_qkv(2, 1024, 1024, 8, 2, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     out, lse = attention_forward(q, k, v, scale, window)
-    graph, captured = capture(lambda: attention_backward(dout, q, k, v, out, lse, scale, window))
+    graph, captured = capture(lambda: attention_backward(dout, q, k, v, out, lse, scale, window, deterministic=True))
     for _ in range(3):
         for t in (q, k, v, dout):
             t.copy_(torch.randn_like(t))
@@ -96,7 +98,7 @@ def test_backward_cuda_graph(d):
         out.copy_(new_out)
         lse.copy_(new_lse)
         graph.replay()
-        eager = attention_backward(dout, q, k, v, out, lse, scale, window)
+        eager = attention_backward(dout, q, k, v, out, lse, scale, window, deterministic=True)
         for name, a, b in zip(("dq", "dk", "dv"), captured, eager):
             assert torch.equal(a, b), name
 

@@ -60,8 +60,12 @@ def backend_for(t: torch.Tensor) -> str:
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=0.0, varlen=None, sink=None):
+def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=0.0, varlen=None, sink=None,
+               deterministic=False):
     """Checked inputs and a (left, right) window with None = unbounded -> (out, lse).
+
+    deterministic (or torch.use_deterministic_algorithms(True)) asks for a bitwise reproducible
+    backward (ops.backward.attention_backward).
 
     Dropout draws its Philox seed from torch's generator of q's device here (so torch.manual_seed
     reproduces a run; reference.dropout.draw_rng). A paged k/v that needs gradients is gathered
@@ -78,7 +82,8 @@ def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=
         rng = draw_rng(q.device)
     with _device_guard(q):  # the backward runs on autograd's thread for q's device
         return autograd.attention(q, k, v, softmax_scale, window[0], window[1], softcap, alibi_slopes,
-                                  backend, dropout_p, rng, varlen, sink)
+                                  backend, dropout_p, rng, varlen, sink,
+                                  deterministic or torch.are_deterministic_algorithms_enabled())
 
 
 def _gather_pages(k, v, varlen):
@@ -158,8 +163,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = unbounded.
         softcap: > 0 caps scores as softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: accepted for flash-attn compatibility; the backward is always bitwise
-            reproducible (dQ has its own kernel, no atomics), dropout included.
+        deterministic: True (or torch.use_deterministic_algorithms(True)) makes the backward
+            bitwise reproducible: dQ gets programs of its own (no atomics). By default, as in
+            flash-attn, the Hopper backward (H100, d 64 / 128, without softcap, ALiBi or dropout)
+            adds dQ's key blocks up with atomics, in an order that varies from run to run; every
+            other call is reproducible either way.
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
         learnable_sink: optional (nheads,) float32 / bfloat16 / float16, keyword (FlashAttention-4's
             name; gpt-oss's attention sinks): one logit t_h per query head that joins every row's
@@ -178,7 +186,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     scale, window, softcap, dropout_p = _check_common(q, k, v, softmax_scale, causal, window_size, softcap,
                                                       alibi_slopes, dropout_p)
     sink = _checks.check_sink(learnable_sink, q.shape[2], q.device)
-    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, sink=sink)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, sink=sink,
+                          deterministic=deterministic)
     return _outputs(out, lse, return_attn_probs)
 
 
@@ -253,7 +262,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale, window, softcap, dropout_p = _check_options(q, varlen.batch, h, d, softmax_scale, causal, window_size,
                                                        softcap, alibi_slopes, dropout_p)
     sink = _checks.check_sink(learnable_sink, h, q.device)
-    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, varlen, sink)
+    out, lse = _attention(q, k, v, scale, window, softcap, alibi_slopes, dropout_p, varlen, sink, deterministic)
     return _outputs(out, lse, return_attn_probs)
 
 

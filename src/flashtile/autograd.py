@@ -86,8 +86,9 @@ def sink_grad(sink, lse, delta):
 
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
                    alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   seqused_k, backend, sink=None):
-    """(dq, dk, dv, dsink): dsink None without a sink."""
+                   seqused_k, backend, sink=None, deterministic=False):
+    """(dq, dk, dv, dsink): dsink None without a sink. deterministic: bitwise reproducible
+    gradients (ops.backward.attention_backward; the reference path always is)."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, None)
     dropout = (dropout_p, rng) if dropout_p > 0 else None
     delta = None
@@ -96,7 +97,8 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_r
 
         delta = None if sink is None else torch.empty_like(lse)
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right),
-                                        softcap, alibi_slopes, varlen=varlen, dropout=dropout, delta=delta)
+                                        softcap, alibi_slopes, varlen=varlen, dropout=dropout, delta=delta,
+                                        deterministic=deterministic)
     else:
         window = _window(window_left, window_right)
         if varlen is not None:
@@ -124,14 +126,15 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
                   cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                   max_seqlen_q: int, max_seqlen_k: int, seqused_k: Optional[torch.Tensor],
                   block_table: Optional[torch.Tensor], backend: str,
-                  sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                  sink: Optional[torch.Tensor], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
-      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink):
+      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink,
+      deterministic):
     h = q.shape[-2]
     lse_shape = (q.shape[0], h, q.shape[1]) if cu_seqlens_q is None else (h, q.shape[0])
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
@@ -144,18 +147,18 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng: Optional[torch.Tensor],
                   cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                   max_seqlen_q: int, max_seqlen_k: int, seqused_k: Optional[torch.Tensor],
-                  backend: str, sink: Optional[torch.Tensor]
+                  backend: str, sink: Optional[torch.Tensor], deterministic: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink); a custom op returns tensors only, so dsink is empty without a sink."""
     dq, dk, dv, dsink = _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
                                        alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, seqused_k, backend, sink)
+                                       max_seqlen_k, seqused_k, backend, sink, deterministic)
     return dq, dk, dv, q.new_empty(0) if dsink is None else dsink
 
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-      rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, backend, sink):
+      rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, backend, sink, deterministic):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format), \
@@ -171,23 +174,25 @@ def _refuse_paged():
 def _grads(dout, saved, args, extra, backward):
     """(dq, dk, dv, dsink) through `backward` (the custom op while compiling, its implementation in
     eager mode) from what the forward kept: saved = (q, k, v, out, lse, alibi_slopes, sink), args =
-    (scale, window_left, window_right, softcap, backend), extra = (dropout_p, rng, Varlen)."""
+    (scale, window_left, window_right, softcap, backend, deterministic), extra = (dropout_p, rng,
+    Varlen)."""
     q, k, v, out, lse, alibi_slopes, sink = saved
-    softmax_scale, window_left, window_right, softcap, backend = args
+    softmax_scale, window_left, window_right, softcap, backend, deterministic = args
     dropout_p, rng, varlen = extra
     if varlen.block_table is not None:
         _refuse_paged()
     # dlse is not propagated: the LSE is returned for inspection/merging, like flash-attn.
     return backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                    dropout_p, rng, *varlen[:5], backend, sink)
+                    dropout_p, rng, *varlen[:5], backend, sink, deterministic)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
-     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink) = inputs
+     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, backend, sink,
+     deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, rng, cu_seqlens_q, cu_seqlens_k, seqused_k)
-    ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
+    ctx.args = (softmax_scale, window_left, window_right, softcap, backend, deterministic)
     ctx.scalars = (dropout_p, max_seqlen_q, max_seqlen_k, block_table is not None)
 
 
@@ -199,7 +204,7 @@ def _backward(ctx, dout, dlse):
     varlen = _checks.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     dq, dk, dv, dsink = _grads(dout, (q, k, v, out, lse, alibi_slopes, sink), ctx.args, (dropout_p, rng, varlen),
                                attention_bwd)
-    return (dq, dk, dv) + (None,) * 14 + (None if sink is None else dsink,)
+    return (dq, dk, dv) + (None,) * 14 + (None if sink is None else dsink, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -215,12 +220,12 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, extra, backend,
-                sink):
+                sink, deterministic):
         dropout_p, rng, varlen = extra
         out, lse = _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                             rng, *varlen, backend, sink)
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink)
-        ctx.args = (softmax_scale, window_left, window_right, softcap, backend)
+        ctx.args = (softmax_scale, window_left, window_right, softcap, backend, deterministic)
         ctx.extra = extra  # index and seed tensors only: nothing that needs a gradient
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -228,24 +233,24 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         dq, dk, dv, dsink = _grads(dout, ctx.saved_tensors, ctx.args, ctx.extra, _backward_impl)
-        return dq, dk, dv, None, None, None, None, None, None, None, dsink
+        return dq, dk, dv, None, None, None, None, None, None, None, dsink, None
 
 
 def attention(q, k, v, softmax_scale: float, window_left: Optional[int], window_right: Optional[int],
               softcap: float, alibi_slopes: Optional[torch.Tensor], backend: str, dropout_p: float = 0.0,
               rng: Optional[torch.Tensor] = None, varlen: Optional[_checks.Varlen] = None,
-              sink: Optional[torch.Tensor] = None):
+              sink: Optional[torch.Tensor] = None, deterministic: bool = False):
     """(out, lse) with autograd: the custom op while torch.compile traces, _Attention otherwise.
 
     dropout_p > 0 needs rng, the (2,) int64 Philox seed (reference.dropout.draw_rng), saved for the
     backward so it regenerates the forward's mask. varlen: a checked packed batch (q (total_q, h, d)
     and so on; lse is then (h, total_q)). sink: the attention sink, (h,) contiguous, or None; it
-    gets a gradient like q."""
+    gets a gradient like q. deterministic: a bitwise reproducible backward (attention_backward)."""
     if torch.compiler.is_compiling():
         vl = varlen if varlen is not None else _NO_EXTRA[2]
         return attention_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                             float(dropout_p), rng, *vl, backend, sink)
+                             float(dropout_p), rng, *vl, backend, sink, deterministic)
     extra = _NO_EXTRA if dropout_p == 0 and varlen is None else \
         (float(dropout_p), rng, varlen if varlen is not None else _NO_EXTRA[2])
     return _Attention.apply(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, extra, backend,
-                            sink)
+                            sink, deterministic)

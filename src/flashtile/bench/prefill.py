@@ -2,9 +2,10 @@
 
 Shapes are the FA2/FA3 papers' (BENCHMARKS.md): bf16, batch x seqlen = 16384 tokens,
 nheads x headdim = 2048. Peers (`--peers`, default all): `flashtile-triton` (flashtile with its
-Hopper forward switched off, the Triton kernels only: the A/B baseline of the Hopper forward), SDPA's
-FlashAttention-2 (`sdpa-flash`), cuDNN and memory-efficient backends, FlashAttention-4 (`fa4`, its
-default non-deterministic backward, and `fa4-det`, deterministic=True, like flashtile's backward;
+Hopper kernels switched off, the Triton kernels only: the A/B baseline of the Hopper kernels; its
+backward is also flashtile's deterministic=True one), SDPA's FlashAttention-2 (`sdpa-flash`),
+cuDNN and memory-efficient backends, FlashAttention-4 (`fa4`, its default non-deterministic
+backward, like flashtile's, and `fa4-det`, deterministic=True;
 both only when `flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine -
 else skipped with one line) and FlexAttention (torch.compile'd, with a causal block mask). Each
 implementation's output is checked against SDPA-flash before it is timed. FLOPs: forward
@@ -78,18 +79,22 @@ def _flex():
 
 
 def _triton_only(fn):
-    """fn with flashtile's Hopper forward switched off: configs.hopper_forward_config answers None
-    (the Triton kernel) for the duration of each call, and is restored after it, raised or not.
-    forward.py looks it up at call time; the backward never reads it, so only the forward changes."""
+    """fn with flashtile's Hopper kernels switched off: configs.hopper_forward_config and
+    hopper_backward_config answer None (the Triton kernels) for the duration of each call, and are
+    restored after it, raised or not (ops.forward / ops.backward look them up at call time)."""
     from flashtile.ops import configs
 
+    names = ("hopper_forward_config", "hopper_backward_config")
+
     def run(*args, **kwargs):
-        hopper = configs.hopper_forward_config
-        configs.hopper_forward_config = lambda *a, **kw: None
+        saved = [getattr(configs, n) for n in names]
+        for n in names:
+            setattr(configs, n, lambda *a, **kw: None)
         try:
             return fn(*args, **kwargs)
         finally:
-            configs.hopper_forward_config = hopper
+            for n, f in zip(names, saved):
+                setattr(configs, n, f)
 
     return run
 

@@ -29,6 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -37,13 +44,19 @@ from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
                                    dropout_seed, head_chunked_order, head_dim_mask, in_window,
                                    kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds, visible)
-from flashtile.ops.forward import dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args
+from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
+                                   dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
 
-@triton.jit(do_not_specialize=["sq", "head_dim"])
-def _delta_kernel(Out, dOut, Delta, stride_ob, stride_om, stride_oh, stride_od,
-                  stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq,
-                  head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr):
+@triton.jit(do_not_specialize=["sq", "rows_out", "head_dim"])
+def _delta_kernel(Out, dOut, Delta, Lse, Lse2, stride_ob, stride_om, stride_oh, stride_od,
+                  stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq, rows_out,
+                  head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                  WRITE_LSE2: tl.constexpr):
+    """delta = rowsum(dO * O) of rows [start_m, start_m + BLOCK_M) of head bh into Delta, which
+    holds rows_out >= sq rows per head (rows past sq get 0). WRITE_LSE2: also the LSE in the log2
+    domain into Lse2, laid out alike, +inf past sq and where a row saw no key (P = 0 there): what
+    the Hopper backward's loader copies in without masks."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // nheads
@@ -57,7 +70,11 @@ def _delta_kernel(Out, dOut, Delta, stride_ob, stride_om, stride_oh, stride_od,
     do = tl.load(dOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
                  + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + bh.to(tl.int64) * sq + offs_m, tl.sum(o * do, 1), mask=offs_m < sq)
+    tl.store(Delta + bh.to(tl.int64) * rows_out + offs_m, tl.sum(o * do, 1), mask=offs_m < rows_out)
+    if WRITE_LSE2:
+        lse = tl.load(Lse + bh.to(tl.int64) * sq + offs_m, mask=offs_m < sq, other=float("-inf"))
+        tl.store(Lse2 + bh.to(tl.int64) * rows_out + offs_m,
+                 tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), mask=offs_m < rows_out)
 
 
 @triton.jit
@@ -420,15 +437,17 @@ def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
                        softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None, varlen=None,
-                       dropout=None, delta=None):
+                       dropout=None, delta=None, deterministic: bool = False):
     """Launch the backward. Shapes and varlen / dropout as ops.forward.attention_forward (varlen
     without block_table); lse as it returned.
 
-    Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group), bitwise
-    reproducible; written into the given dq/dk/dv when passed (e.g. views of one packed gradient
-    buffer). Keys past seqused_k get zero gradients. delta: where to leave delta = rowsum(dO * O),
-    shaped like lse (the attention sink's gradient is made of it: autograd.sink_grad); by default
-    a buffer of its own.
+    Returns (dq, dk, dv) shaped like q, k, v (dk/dv summed over each GQA group), written into the
+    given dq/dk/dv when passed (e.g. views of one packed gradient buffer). Keys past seqused_k get
+    zero gradients. delta: where to leave delta = rowsum(dO * O), shaped like lse (the attention
+    sink's gradient is made of it: autograd.sink_grad); by default a buffer of its own.
+    deterministic: bitwise reproducible gradients (the Triton programs, dQ without atomics);
+    otherwise the Hopper kernel takes the calls it supports (configs.hopper_backward_config), and
+    its dQ sums the key blocks in an order that varies from run to run (as flash-attn's).
     """
     if varlen is not None and varlen.block_table is not None:
         raise ValueError("the backward reads contiguous k/v: gather the pages first (the API does)")
@@ -453,15 +472,20 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         dv.zero_()
         return dq, dk, dv
 
+    hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq)
+    if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen,
+                                               dropout):
+        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right)
+        return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
     if cfg.fused:  # both kinds of programs read delta at once: computed first
         pre = configs.delta_config(d, q.device)
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
         rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
-        launch(_delta_kernel, (cdiv(rows, pre.block_m), n * h), (out, dout, delta),
-               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, d), pre.num_warps, pre.num_stages,
-               BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d)
+        launch(_delta_kernel, (cdiv(rows, pre.block_m), n * h), (out, dout, delta, None, None),
+               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, d), pre.num_warps,
+               pre.num_stages, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d, WRITE_LSE2=False)
 
     # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
     # programs stream Q and dO, dQ programs K and V
@@ -496,3 +520,242 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         run(q_programs, cfg.dq_head_chunk, cfg.dq, cfg.pdl, DKDV=False, DQ=True, WRITE_DELTA=True)
         run(kv_programs, cfg.head_chunk, cfg.dkdv, cfg.pdl, DKDV=True, DQ=False, WRITE_DELTA=False)
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Hopper (sm_90) variant in Gluon: FA2's backward with dQ added up by the copy engine (FA3's
+# design), for calls that do not ask for a deterministic backward.
+#
+# A program owns 128 keys of one K/V head and loops over the Q blocks (64 rows) of its GQA group's
+# heads that can see them. A one-warp loader brings K and V once and Q, dO and the rows' LSE (log2
+# domain) and delta through a ring of NUM_STAGES buffers with TMA. Two consumer warpgroups take 64
+# keys each and work in the transposed orientation, so P^T and dS^T are register operands of the
+# dV and dK products (FA2's 4 matrix products per block pair, all wgmma). The fifth, dQ += dS K,
+# needs every key of the block: both warpgroups leave dS^T in shared memory, each multiplies it
+# by its half of K's columns and hands its half of the dQ tile to TMA's reduce-add into an fp32
+# buffer (cp.reduce.async.bulk), which ops.backward scales and casts at the end. 5 products per
+# block pair instead of the Triton path's 7, at the price of an order of additions that changes
+# from run to run: deterministic=True keeps the Triton path.
+# ----------------------------------------------------------------------------------------------
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """dst[box at coord] += src, by the copy engine (Gluon 3.6 has the op in its builder only)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                   lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad, start_n,
+                   lo, n_m):
+    """Loader partition: both halves of K and V, then for step i (head g = i // n_m of the group, Q
+    block i % n_m) Q with its LSE and dO with its delta into buffer i % NUM_STAGES once both
+    consumers have freed it. A program whose keys no row sees loads nothing."""
+    NUM_STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HALF_N: gl.constexpr = k_desc.block_type.shape[1]
+    n_steps = group * n_m
+    if n_steps > 0:
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [b, start_n + half * HALF_N, hk, 0], kv_bar, k_bufs.index(half))
+            tma.async_copy_global_to_shared(v_desc, [b, start_n + half * HALF_N, hk, 0], kv_bar, v_bufs.index(half))
+    for i in range(n_steps):
+        stage = i % NUM_STAGES
+        h = hk * group + i // n_m
+        row = lo + (i % n_m) * BLOCK_M
+        stats_row = (b * nheads + h) * rows_pad + row
+        mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)  # the first round passes at once
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_ready.index(stage), q_bufs.index(stage))
+        tma.async_copy_global_to_shared(lse_desc, [stats_row], q_ready.index(stage), lse_bufs.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, row, h, 0], do_ready.index(stage), do_bufs.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [stats_row], do_ready.index(stage), delta_bufs.index(stage))
+
+
+@gluon.jit
+def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
+                      dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, hk, group, start_n, lo,
+                      n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
+    columns of each Q block's dQ."""
+    NUM_STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[2]
+    HALF_N: gl.constexpr = k_bufs.shape[2]
+    BLOCK_D: gl.constexpr = k_bufs.shape[4]
+    HALF_D: gl.constexpr = BLOCK_D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                        instr_shape=[16, BLOCK_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query row, along S^T's columns
+    dtype: gl.constexpr = q_bufs.dtype
+    key0 = start_n + half * HALF_N
+    k = k_bufs.index(half).reshape([HALF_N, BLOCK_D])
+    v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
+    offs_n = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the layouts
+    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+    dk = gl.zeros([HALF_N, BLOCK_D], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, BLOCK_D], gl.float32, kv_layout)
+    n_steps = group * n_m
+    if n_steps > 0:
+        mbarrier.wait(kv_bar, 0)
+    for i in range(n_steps):
+        stage = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        h = hk * group + i // n_m
+        start_m = lo + (i % n_m) * BLOCK_M
+        mbarrier.wait(q_ready.index(stage), phase)
+        q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
+        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S^T = K Q^T
+        mbarrier.wait(do_ready.index(stage), phase)
+        do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
+        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP^T = V dO^T
+        s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
+        # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
+        p_t = gl.exp2(s_t * qk_scale - lse_bufs.index(stage).load(row_layout)[None, :])
+        if (start_m < full_lo) | (start_m >= full_hi):
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+            ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+            p_t = gl.where(ok, p_t, 0.0)
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
+        ds_t = (p_t * (dp_t - delta_bufs.index(stage).load(row_layout)[None, :])).to(dtype)
+        ds_op = gl.convert_layout(ds_t, op_layout)
+        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+        par = i & 1  # dS^T buffers alternate: a step's are overwritten two steps later, when both
+        # warpgroups have passed the next step's ds_ready, i.e. finished this step's dQ product
+        ds_bufs.index(2 * par + half).store(ds_t)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(par), count=1)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
+        mbarrier.wait(ds_ready.index(par), (i >> 1) & 1)
+        dq_tok = warpgroup_mma(ds_bufs.index(2 * par).permute((1, 0)),
+                               k_bufs.index(0).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
+                               dq_zero, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(ds_bufs.index(2 * par + 1).permute((1, 0)),
+                               k_bufs.index(1).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
+                               dq_tok, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+        tma.store_wait(0)  # the previous step's reduction has read dq_bufs[half]
+        dq_bufs.index(half).reshape([BLOCK_M, HALF_D]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [b, start_m, h, half * HALF_D], dq_bufs.index(half))  # rows past sq: clipped
+
+    tma.store_wait(0)
+    # both warpgroups read both halves of K: wait for the other's last dQ product, then K's and V's
+    # buffers of this half take dK and dV on their way out (rows past sk are clipped)
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(done, 0)
+    k_bufs.index(half).reshape([HALF_N, BLOCK_D]).store((dk * softmax_scale).to(dtype))
+    v_bufs.index(half).reshape([HALF_N, BLOCK_D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, 0], k_bufs.index(half))
+    tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, 0], v_bufs.index(half))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad"])
+def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
+                     nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Grid: (key blocks of 128, batch x K/V heads); key block 0 first, the longest with a causal
+    mask. rows_pad: rows per head of the LSE and delta buffers (a multiple of the Q block)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HALF_N: gl.constexpr = k_desc.block_type.shape[1]
+    start_n = gl.program_id(0) * 2 * HALF_N
+    b = gl.program_id(1) // nheads_k
+    hk = gl.program_id(1) % nheads_k
+    group = nheads // nheads_k
+    diag_offset = sk - sq
+    # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
+    lo, full_lo, full_hi, hi = block_range(start_n, 2 * HALF_N, BLOCK_M, sq, -diag_offset, right, left,
+                                           HAS_RIGHT, HAS_LEFT)
+    n_m = gl.cdiv(hi - lo, BLOCK_M)
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], delta_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], q_desc.dtype)
+    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF_N, BLOCK_M], ds_layout)  # [step parity, half]
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=2)  # one arrival per consumer warpgroup
+    mbarrier.init(ds_ready.index(0), count=2)
+    mbarrier.init(ds_ready.index(1), count=2)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    # arguments spelled out per partition (see _fwd_kernel_sm90)
+    gl.warp_specialize([
+        (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
+                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, hk, group,
+                             start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
+                             softmax_scale, HAS_LEFT, HAS_RIGHT)),
+        (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
+                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, hk, group,
+                             start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
+                             softmax_scale, HAS_LEFT, HAS_RIGHT)),
+        (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                          lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad,
+                          start_n, lo, n_m)),
+    ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
+
+
+ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen, dropout) -> bool:
+    """Can _bwd_kernel_sm90 take this call? As the Hopper forward (ops.forward._hopper_supports):
+    dense BSHD batches with a positive scale and no score modifier or dropout, whose inputs and
+    dK/dV TMA can address."""
+    if softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None or dropout is not None:
+        return False
+    return all(map(tma_ok, (q, k, v, dout, dk, dv)))
+
+
+def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right):
+    """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq.
+    cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    rows_pad = cdiv(sq, cfg.block_m) * cfg.block_m
+    stats = torch.empty((2, b * h * rows_pad), dtype=torch.float32, device=q.device)  # log2 LSE, delta
+    pre = configs.delta_config(d, q.device)
+    launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), b * h), (out, dout, stats[1], lse, stats[0]),
+           (*out.stride(), *dout.stride(), h, sq, rows_pad, d), pre.num_warps, pre.num_stages,
+           BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True)
+    if delta is not None:  # the caller's copy, shaped like lse
+        delta.copy_(stats[1].view(b, h, rows_pad)[..., :sq])
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
+    half_n = cfg.block_n // 2
+    _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), b * hk)](
+        box_descriptor(q, cfg.block_m), box_descriptor(dout, cfg.block_m), box_descriptor(k, half_n),
+        box_descriptor(v, half_n), *rows, box_descriptor(dk, half_n), box_descriptor(dv, half_n),
+        box_descriptor(dq_acc, cfg.block_m, d // 2),
+        h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+    torch.mul(dq_acc, softmax_scale, out=dq)

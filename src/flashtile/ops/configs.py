@@ -90,6 +90,27 @@ def hopper_forward_tiles(d: int) -> BlockConfig:
     return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(128, 128, 4, 2)
 
 
+def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seqlen_q: int) -> BlockConfig | None:
+    """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs).
+
+    block_m query rows per step, block_n keys per program in two halves, one per consumer
+    warpgroup of num_warps = 4; num_stages Q/dO buffers (3 do not fit next to the dS^T and dQ
+    buffers at d=128). First measurement (scratch prototype, bf16, 16k tokens, whole backward
+    without the delta launch, TFLOP/s against the Triton programs in the same run): d=128 2k / 8k
+    482 / 532 against 401 / 421, causal 375 / 487 against 309 / 413; d=64 357 / 410 against 349 /
+    362, causal 289 / 375 against 263 / 340. Fewer than 128 query rows were not measured and keep
+    the Triton programs, as the forward.
+    """
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
+        return None
+    if torch.cuda.get_device_capability(device) != (9, 0) or seqlen_q < 128:
+        return None
+    return HOPPER_BACKWARD_TILES
+
+
+HOPPER_BACKWARD_TILES = BlockConfig(64, 128, 4, 2)
+
+
 def delta_config(d: int, device: torch.device) -> BlockConfig:
     """The rowsum(dO * O) preprocess is a pure stream: big row blocks, no pipelining needed."""
     if device.type != "cuda":

@@ -460,7 +460,7 @@ def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, has_
     return all(map(tma_ok, (q, k, v))) and out.stride(-1) == 1
 
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,11 +470,13 @@ def tma_box_layout(rows: int, d: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _GL_DTYPES.get(dtype, dtype))
 
 
-def _descriptor(t, rows: int) -> GluonTensorDescriptor:
-    """A TMA descriptor over a BSHD tensor whose box is `rows` positions of one head: rows past the
-    sequence's end read as zeros (never the next batch's rows)."""
-    d = t.shape[-1]
-    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, d], tma_box_layout(rows, d, t.dtype))
+def box_descriptor(t, rows: int, cols: int | None = None) -> GluonTensorDescriptor:
+    """A TMA descriptor over a BSHD tensor whose box is `rows` positions of one head (and `cols` of
+    its head dim, all by default): rows past the sequence's end read as zeros and are not written
+    (never the next batch's rows)."""
+    cols = t.shape[-1] if cols is None else cols
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols],
+                                 tma_box_layout(rows, cols, t.dtype))
 
 
 def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
@@ -483,8 +485,8 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     grid = (cdiv(sq, cfg.block_m), b * h)
-    _fwd_kernel_sm90[grid](out, lse, _descriptor(q, cfg.block_m // 2), _descriptor(k, cfg.block_n),
-                           _descriptor(v, cfg.block_n), out.stride(0), out.stride(1), out.stride(2),
+    _fwd_kernel_sm90[grid](out, lse, box_descriptor(q, cfg.block_m // 2), box_descriptor(k, cfg.block_n),
+                           box_descriptor(v, cfg.block_n), out.stride(0), out.stride(1), out.stride(2),
                            h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
                            HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
