@@ -149,23 +149,24 @@ def test_custom_ops_pass_opcheck():
     q, k, v = qkv(1, 12, 15, 2, 1, 8, requires_grad=True)
     none_varlen = (None, None, 0, 0, None, None)
     torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.0, None, *none_varlen,
-                                                   "reference", None))
+                                                   "reference", None, False))
     rng = torch.tensor([123, 456])  # dropout: the same seed tensor gives the same mask every call
     torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.2, rng, *none_varlen,
-                                                   "reference", None))
+                                                   "reference", None, False))
     sink = torch.randn(2, requires_grad=True)
     torch.library.opcheck(autograd.attention_fwd, (q, k, v, 0.3, None, 0, 0.0, None, 0.0, None, *none_varlen,
-                                                   "reference", sink))
+                                                   "reference", sink, True))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     qp, kp, vp = (t.detach()[0, :12].clone().requires_grad_() for t in (q, k, v))
     torch.library.opcheck(autograd.attention_fwd, (qp, kp, vp, 0.3, None, 0, 0.0, None, 0.0, None, cu, cu, 7, 7,
-                                                   None, None, "reference", None))
+                                                   None, None, "reference", None, False))
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpret)])
 def test_eager_function_matches_custom_op(backend):
     """Eager calls take autograd._Attention, torch.compile the custom op: same outputs and
-    gradients, bitwise (the same functions run underneath; dropout with one seed tensor)."""
+    gradients, bitwise (the same functions run underneath; dropout with one seed tensor; a
+    deterministic backward)."""
     from flashtile import autograd
 
     q, k, v = qkv(1, 20, 23, 2, 1, 16, dtype=torch.float16 if backend == "triton" else torch.float32,
@@ -175,8 +176,8 @@ def test_eager_function_matches_custom_op(backend):
     rng = torch.tensor([5, 6])
     results = []
     sink = torch.randn(2, requires_grad=True)
-    for out, lse in (autograd._Attention.apply(*args, (0.3, rng, autograd._NO_EXTRA[2]), backend, sink),
-                     autograd.attention_fwd(*args, 0.3, rng, None, None, 0, 0, None, None, backend, sink)):
+    for out, lse in (autograd._Attention.apply(*args, (0.3, rng, autograd._NO_EXTRA[2]), backend, sink, True),
+                     autograd.attention_fwd(*args, 0.3, rng, None, None, 0, 0, None, None, backend, sink, True)):
         results.append((out, lse, *torch.autograd.grad(out, (q, k, v, sink), dout)))
     for a, b in zip(*results):
         assert torch.equal(a, b)

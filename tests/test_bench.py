@@ -152,37 +152,30 @@ def test_prefill_summary_and_plot_with_fa4_and_triton_rows(tmp_path):
 
 
 def test_prefill_triton_peer_restores_the_hopper_dispatch(monkeypatch):
-    """flashtile-triton answers None from configs.hopper_forward_config and hopper_backward_config
-    during its call only, and puts the originals back when the call returns and when it raises."""
+    """flashtile-triton answers None from configs.hopper_forward_config during its call only, and puts
+    the original back when the call returns and when it raises; it asks for the deterministic
+    backward (the Triton programs: the Hopper backward's dispatch runs after the call returns)."""
     import flashtile
     from flashtile.ops import configs
 
-    def forward_tiles(*a, **kw):
-        return "forward tiles"
+    def hopper(d, dtype, device, causal, seqlen_k):
+        return "hopper tiles"
 
-    def backward_tiles(*a, **kw):
-        return "backward tiles"
-
-    monkeypatch.setattr(configs, "hopper_forward_config", forward_tiles, raising=False)
-    monkeypatch.setattr(configs, "hopper_backward_config", backward_tiles, raising=False)
+    monkeypatch.setattr(configs, "hopper_forward_config", hopper, raising=False)
     seen = []
 
-    def fake(q, k, v, causal):
-        seen.append((configs.hopper_forward_config(64, None, None, causal=causal, seqlen_k=8192),
-                     configs.hopper_backward_config(64, None, None, seqlen_q=8192)))
+    def fake(q, k, v, causal, deterministic):
+        seen.append((configs.hopper_forward_config(64, None, None, causal=causal, seqlen_k=8192), deterministic))
         if causal:
             raise RuntimeError("kernel failed")
         return "out"
 
-    def originals():
-        return configs.hopper_forward_config is forward_tiles and configs.hopper_backward_config is backward_tiles
-
-    monkeypatch.setattr(flashtile, "flash_attn_func", lambda q, k, v, causal: fake(q, k, v, causal))
+    monkeypatch.setattr(flashtile, "flash_attn_func", fake)
     run = prefill.implementations(["flashtile-triton"])["flashtile-triton"]
-    assert run(1, 2, 3, False) == "out" and originals()
+    assert run(1, 2, 3, False) == "out" and configs.hopper_forward_config is hopper
     with pytest.raises(RuntimeError, match="kernel failed"):
         run(1, 2, 3, True)
-    assert originals() and seen == [(None, None), (None, None)]
+    assert configs.hopper_forward_config is hopper and seen == [(None, True), (None, True)]
 
 
 def test_prefill_fa4_skipped_without_flash_attn_cute(monkeypatch, capsys):

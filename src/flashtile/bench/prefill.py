@@ -79,22 +79,19 @@ def _flex():
 
 
 def _triton_only(fn):
-    """fn with flashtile's Hopper kernels switched off: configs.hopper_forward_config and
-    hopper_backward_config answer None (the Triton kernels) for the duration of each call, and are
-    restored after it, raised or not (ops.forward / ops.backward look them up at call time)."""
+    """fn with flashtile's Hopper forward switched off: configs.hopper_forward_config answers None
+    (the Triton kernel) for the duration of each call, and is restored after it, raised or not
+    (forward.py looks it up at call time). The backward runs after the call returns: the peer
+    keeps it on the Triton programs with deterministic=True instead (see implementations)."""
     from flashtile.ops import configs
 
-    names = ("hopper_forward_config", "hopper_backward_config")
-
     def run(*args, **kwargs):
-        saved = [getattr(configs, n) for n in names]
-        for n in names:
-            setattr(configs, n, lambda *a, **kw: None)
+        hopper = configs.hopper_forward_config
+        configs.hopper_forward_config = lambda *a, **kw: None
         try:
             return fn(*args, **kwargs)
         finally:
-            for n, f in zip(names, saved):
-                setattr(configs, n, f)
+            configs.hopper_forward_config = hopper
 
     return run
 
@@ -128,12 +125,12 @@ def implementations(names):
 
     import flashtile
 
-    def tile(q, k, v, causal):
-        return flashtile.flash_attn_func(q, k, v, causal=causal)
+    def tile(q, k, v, causal, deterministic=False):
+        return flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
 
     table = {
         "flashtile": tile,
-        "flashtile-triton": _triton_only(tile),
+        "flashtile-triton": _triton_only(lambda q, k, v, causal: tile(q, k, v, causal, deterministic=True)),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "mem-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
