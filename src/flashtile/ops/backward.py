@@ -12,11 +12,12 @@ measurements; each launch has its own tile, warps and stages):
 Or both kinds in one grid after a delta launch (_delta_kernel): the dK/dV programs first (the
 longest), then the dQ programs, all on the SMs at once with one tail at the end.
 FA2 instead adds dS K into an fp32 dQ with atomics inside the dK/dV loop (5 matmuls per block
-pair). That path was built and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256): 6-20%
-slower for the whole backward than the dQ programs at every shape, so it was removed
-(benchmarks/results/h100/NOTES.md). Both loops skip the blocks that the mask hides and run the
-fully visible ones without mask work (ops._common.block_range). dK/dQ are scaled by softmax_scale
-once at the end.
+pair). That path was built in Triton and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256):
+6-20% slower for the whole backward than the dQ programs at every shape, so it was removed
+(benchmarks/results/h100/NOTES.md). The Hopper variant at the end of this file does it in Gluon,
+with TMA reductions, and is faster there; deterministic=True keeps these programs. Both loops
+skip the blocks that the mask hides and run the fully visible ones without mask work
+(ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
 The forward's flags carry over: IS_VARLEN (each program finds its sequence in cu_seqlens; programs
 past their sequence's end run empty loops and store nothing) and HAS_DROPOUT (both kinds regenerate
 the forward's keep-mask from the same Philox counters: dV = (P o Z)^T dO / (1 - p) and

@@ -95,11 +95,12 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
 
     block_m query rows per step, block_n keys per program in two halves, one per consumer
     warpgroup of num_warps = 4; num_stages Q/dO buffers (3 do not fit next to the dS^T and dQ
-    buffers at d=128). First measurement (scratch prototype, bf16, 16k tokens, whole backward
-    without the delta launch, TFLOP/s against the Triton programs in the same run): d=128 2k / 8k
-    482 / 532 against 401 / 421, causal 375 / 487 against 309 / 413; d=64 357 / 410 against 349 /
-    362, causal 289 / 375 against 263 / 340. Fewer than 128 query rows were not measured and keep
-    the Triton programs, as the forward.
+    buffers at d=128; without the dQ product they were no faster than 2). prefill.json (2026-11-24,
+    bf16, 16k tokens, backward TFLOP/s, this kernel / the Triton programs in the same run) at 1k /
+    2k / 8k / 16k: d=128 402 / 340, 464 / 380, 483 / 415, 525 / 433; causal 280 / 232, 374 / 300,
+    425 / 371, 464 / 408. d=64 313 / 300, 355 / 340, 379 / 360, 420 / 363; causal 224 / 198, 290 /
+    265, 357 / 335, 375 / 343. Fewer than 128 query rows were not measured and keep the Triton
+    programs, as the forward.
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
         return None
