@@ -95,7 +95,7 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
 
     block_m query rows per step, block_n keys per program in two halves, one per consumer
     warpgroup of num_warps = 4; num_stages Q/dO buffers (3 do not fit next to the dS^T and dQ
-    buffers at d=128; without the dQ product they were no faster than 2). prefill.json (2026-11-24,
+    buffers at d=128; at d=64 they were 3-5% slower, NOTES.md "Hopper backward"). prefill.json (2026-11-24,
     bf16, 16k tokens, backward TFLOP/s, this kernel / the Triton programs in the same run) at 1k /
     2k / 8k / 16k: d=128 402 / 340, 464 / 380, 483 / 415, 525 / 433; causal 280 / 232, 374 / 300,
     425 / 371, 464 / 408. d=64 313 / 300, 355 / 340, 379 / 360, 420 / 363; causal 224 / 198, 290 /
