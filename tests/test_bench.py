@@ -152,30 +152,22 @@ def test_prefill_summary_and_plot_with_fa4_and_triton_rows(tmp_path):
 
 
 def test_prefill_triton_peer_restores_the_hopper_dispatch(monkeypatch):
-    """flashtile-triton answers None from configs.hopper_forward_config during its call only, and puts
-    the original back when the call returns and when it raises; it asks for the deterministic
-    backward (the Triton programs: the Hopper backward's dispatch runs after the call returns)."""
-    import flashtile
+    """flashtile-triton measures under a context in which both Hopper dispatches answer None (the
+    forward's and the backward's, which runs after the forward's call), and which puts the
+    originals back when the block ends and when it raises."""
     from flashtile.ops import configs
 
-    def hopper(d, dtype, device, causal, seqlen_k):
-        return "hopper tiles"
-
-    monkeypatch.setattr(configs, "hopper_forward_config", hopper, raising=False)
-    seen = []
-
-    def fake(q, k, v, causal, deterministic):
-        seen.append((configs.hopper_forward_config(64, None, None, causal=causal, seqlen_k=8192), deterministic))
-        if causal:
-            raise RuntimeError("kernel failed")
-        return "out"
-
-    monkeypatch.setattr(flashtile, "flash_attn_func", fake)
-    run = prefill.implementations(["flashtile-triton"])["flashtile-triton"]
-    assert run(1, 2, 3, False) == "out" and configs.hopper_forward_config is hopper
-    with pytest.raises(RuntimeError, match="kernel failed"):
-        run(1, 2, 3, True)
-    assert configs.hopper_forward_config is hopper and seen == [(None, True), (None, True)]
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: "forward tiles", raising=False)
+    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: "backward tiles", raising=False)
+    saved = configs.hopper_forward_config, configs.hopper_backward_config
+    context = prefill.PEER_CONTEXTS["flashtile-triton"]
+    with context():
+        assert configs.hopper_forward_config(64) is None and configs.hopper_backward_config(64) is None
+    assert (configs.hopper_forward_config, configs.hopper_backward_config) == saved
+    with pytest.raises(RuntimeError, match="kernel failed"), context():
+        raise RuntimeError("kernel failed")
+    assert (configs.hopper_forward_config, configs.hopper_backward_config) == saved
+    assert set(prefill.PEER_CONTEXTS) <= set(prefill.PEERS)
 
 
 def test_prefill_fa4_skipped_without_flash_attn_cute(monkeypatch, capsys):
@@ -210,8 +202,8 @@ def test_prefill_dense_without_fa4_runs_the_other_peers(tmp_path, monkeypatch, c
     peers = [p for p in prefill.PEERS if p != "flex"]
     result = prefill.run(_prefill_args(peers=peers), str(tmp_path / "prefill.json"))
     impls = [r["impl"] for r in result["rows"]]
-    assert impls == ["flashtile", "flashtile-triton", "sdpa-flash", "cudnn", "mem-efficient"] * 2
-    assert refs == [True, True, False, True, True] * 2
+    assert impls == ["flashtile", "flashtile-det", "flashtile-triton", "sdpa-flash", "cudnn", "mem-efficient"] * 2
+    assert refs == [True, True, True, False, True, True] * 2
     assert not any("error" in r for r in result["rows"])
     assert "fa4, fa4-det skipped" in capsys.readouterr().out
 

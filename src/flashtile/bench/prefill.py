@@ -1,11 +1,13 @@
 """`flashtile bench prefill`: forward and backward TFLOP/s against the peers, in one run.
 
 Shapes are the FA2/FA3 papers' (BENCHMARKS.md): bf16, batch x seqlen = 16384 tokens,
-nheads x headdim = 2048. Peers (`--peers`, default all): `flashtile-triton` (flashtile with its
-Hopper kernels switched off, the Triton kernels only: the A/B baseline of the Hopper kernels; its
-backward is also flashtile's deterministic=True one), SDPA's FlashAttention-2 (`sdpa-flash`),
+nheads x headdim = 2048. Peers (`--peers`, default all): `flashtile` (flash-attn's default,
+deterministic=False), `flashtile-det` (deterministic=True: the backward's dQ added up in a fixed
+order), `flashtile-triton` (flashtile with its Hopper kernels switched off for the whole
+measurement, the Triton kernels only: the A/B baseline of the Hopper kernels), SDPA's
+FlashAttention-2 (`sdpa-flash`),
 cuDNN and memory-efficient backends, FlashAttention-4 (`fa4`, its default non-deterministic
-backward, like flashtile's, and `fa4-det`, deterministic=True;
+backward, like flashtile's, and `fa4-det`, deterministic=True, like flashtile-det;
 both only when `flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine -
 else skipped with one line) and FlexAttention (torch.compile'd, with a causal block mask). Each
 implementation's output is checked against SDPA-flash before it is timed. FLOPs: forward
@@ -29,6 +31,7 @@ they were measured in, under "envs").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,7 +40,7 @@ import torch
 
 from flashtile.bench import harness
 
-PEERS = ("flashtile", "flashtile-triton", "sdpa-flash", "cudnn", "fa4", "fa4-det", "mem-efficient", "flex")
+PEERS = ("flashtile", "flashtile-det", "flashtile-triton", "sdpa-flash", "cudnn", "fa4", "fa4-det", "mem-efficient", "flex")
 FA4_PEERS = ("fa4", "fa4-det")  # run only when flash_attn.cute imports
 
 
@@ -78,22 +81,24 @@ def _flex():
     return run
 
 
-def _triton_only(fn):
-    """fn with flashtile's Hopper forward switched off: configs.hopper_forward_config answers None
-    (the Triton kernel) for the duration of each call, and is restored after it, raised or not
-    (forward.py looks it up at call time). The backward runs after the call returns: the peer
-    keeps it on the Triton programs with deterministic=True instead (see implementations)."""
+@contextlib.contextmanager
+def _triton_only():
+    """flashtile's Hopper kernels switched off while the block runs: configs.hopper_forward_config
+    and hopper_backward_config answer None (the Triton kernels), and are restored after it, raised
+    or not (the ops look them up at call time). Around a whole measurement, since the backward runs
+    after the forward's call has returned."""
     from flashtile.ops import configs
 
-    def run(*args, **kwargs):
-        hopper = configs.hopper_forward_config
-        configs.hopper_forward_config = lambda *a, **kw: None
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            configs.hopper_forward_config = hopper
+    saved = configs.hopper_forward_config, configs.hopper_backward_config
+    configs.hopper_forward_config = configs.hopper_backward_config = lambda *a, **kw: None
+    try:
+        yield
+    finally:
+        configs.hopper_forward_config, configs.hopper_backward_config = saved
 
-    return run
+
+# what a peer runs under, for its whole measurement
+PEER_CONTEXTS = {"flashtile-triton": _triton_only}
 
 
 def _fa4_peer(fa4, deterministic: bool):
@@ -130,7 +135,8 @@ def implementations(names):
 
     table = {
         "flashtile": tile,
-        "flashtile-triton": _triton_only(lambda q, k, v, causal: tile(q, k, v, causal, deterministic=True)),
+        "flashtile-det": lambda q, k, v, causal: tile(q, k, v, causal, deterministic=True),
+        "flashtile-triton": tile,  # under _triton_only (PEER_CONTEXTS)
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "mem-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -418,8 +424,9 @@ def run_dense(args, dtype, result, path):
                     if name == "flex" and (d not in args.flex_headdims or seqlen not in args.flex_seqlens):
                         continue
                     try:
-                        fwd, bwd, peak, err = measure(fn, batch, seqlen, nheads, d, causal, dtype,
-                                                      None if name == "sdpa-flash" else ref)
+                        with PEER_CONTEXTS.get(name, contextlib.nullcontext)():
+                            fwd, bwd, peak, err = measure(fn, batch, seqlen, nheads, d, causal, dtype,
+                                                          None if name == "sdpa-flash" else ref)
                     except Exception as e:  # a peer without a kernel for this shape: record why
                         rows.append(dict(impl=name, d=d, causal=causal, seqlen=seqlen, error=repr(e)[:200]))
                         print(f"{name:16s} d={d} causal={causal} s={seqlen}: {repr(e)[:120]}")

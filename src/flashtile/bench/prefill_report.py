@@ -24,6 +24,7 @@ def dense_rows(data: dict) -> list:
 # flashtile thick, the peers thin; a variant shares its family's colour, dashed
 LINE_STYLE = {
     "flashtile": dict(color="C0", linewidth=2.5),
+    "flashtile-det": dict(color="C0", linewidth=1.2, linestyle=":"),
     "flashtile-triton": dict(color="C0", linewidth=1.2, linestyle="--"),
     "sdpa-flash": dict(color="C1", linewidth=1.2),
     "cudnn": dict(color="C2", linewidth=1.2),
