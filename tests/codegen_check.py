@@ -1,7 +1,7 @@
 """Compile the prefill kernels for sm_90 on the CPU and count their global loads/stores by width.
 
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
-    python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--deterministic]   (the Gluon Hopper kernels:
+    python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal]   (the Gluon Hopper kernels:
         ptxas's report)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
@@ -131,14 +131,14 @@ def compile_hopper_forward(d: int, causal: bool):
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
 
 
-def compile_hopper_backward(d: int, causal: bool, deterministic: bool = False):
+def compile_hopper_backward(d: int, causal: bool):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.HOPPER_BACKWARD_TILES
     kernel = backward._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
-    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages, DETERMINISTIC=deterministic)
+    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages)
     half_n = cfg.block_n // 2
     boxes = dict(q_desc=(cfg.block_m, d), do_desc=(cfg.block_m, d), k_desc=(half_n, d), v_desc=(half_n, d),
                  dk_desc=(half_n, d), dv_desc=(half_n, d), dq_desc=(cfg.block_m, d // 2))
@@ -154,7 +154,7 @@ def compile_hopper_backward(d: int, causal: bool, deterministic: bool = False):
         elif n in ("lse_desc", "delta_desc"):
             signature[n] = f"tensordesc<fp32[{cfg.block_m}],{backward.ROW_LAYOUT!r}>"
         else:
-            signature[n] = {"qk_scale": "fp32", "softmax_scale": "fp32", "sems": "*i32"}.get(n, "i32")
+            signature[n] = "fp32" if n in ("qk_scale", "softmax_scale") else "i32"
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
@@ -211,12 +211,9 @@ def global_memory_ops(compiled) -> dict:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if argv[0] == "forward-sm90":
-        print(json.dumps(ptxas_report(compile_hopper_forward(int(argv[1]), "--causal" in argv))))
-        sys.exit(0)
-    if argv[0] == "backward-sm90":
-        print(json.dumps(ptxas_report(compile_hopper_backward(int(argv[1]), "--causal" in argv,
-                                                              "--deterministic" in argv))))
+    if argv[0] in ("forward-sm90", "backward-sm90"):
+        compile_hopper = compile_hopper_forward if argv[0] == "forward-sm90" else compile_hopper_backward
+        print(json.dumps(ptxas_report(compile_hopper(int(argv[1]), "--causal" in argv))))
         sys.exit(0)
     flags = {}
     if "--flags" in argv:

@@ -37,10 +37,8 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, device, layout="bshd"):
 
 
 def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi=False, layout="bshd", backward=True, factor=2, dropout_p=0.0, sink=False,
-                  deterministic=False):
+                  alibi=False, layout="bshd", backward=True, factor=2, dropout_p=0.0, sink=False):
     """dropout_p > 0: the oracle applies the kernels' own mask (reference.dropout.DropoutMask).
-    deterministic: passed to the backward (attention_backward).
     sink: an attention sink (h,) fp32 near the rows' LSE (so it takes a real share), its gradient
     checked as well."""
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device, layout)
@@ -70,7 +68,7 @@ def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, 
     poison(*grads)
     delta = None if sink_t is None else torch.empty_like(lse)
     got = attention_backward(dout, q, k, v, out, lse, scale, win, softcap, kw["alibi_slopes"],
-                             *grads, dropout=dropout, delta=delta, deterministic=deterministic)
+                             *grads, dropout=dropout, delta=delta)
     ref = naive.attention_backward(dout, q, k, v, **kw, compute_dtype=torch.float64)
     base = naive.attention_backward(dout, q, k, v, **kw)
     for name, g, r, bb in zip(("dq", "dk", "dv"), got, ref, base):

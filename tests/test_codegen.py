@@ -57,19 +57,15 @@ def test_hopper_forward_compiles_for_sm90(d, causal):
     assert report["shared_bytes"] <= 227 * 1024, report
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_hopper_backward_compiles_for_sm90(d, causal, deterministic):
+def test_hopper_backward_compiles_for_sm90(d, causal):
     """The Gluon backward: asynchronous wgmmas (no C7514), the 240/24 register split, inside 227 KB
-    of shared memory (at d=128 with 2 Q/dO stages: 198 KB), and few spilled bytes: none at d=64; at
-    d=128 48 at most (8 / 40 full / causal: program indices and the mask arithmetic of the masked
-    steps), and 192 at most with deterministic=True, whose order (counters, turns) keeps a few
-    more values live across the loop (112 / 168 bytes; the deterministic backward's speed in
-    NOTES.md includes them)."""
-    report = memory_ops("backward-sm90", d, *(["--causal"] if causal else []),
-                        *(["--deterministic"] if deterministic else []))
-    assert report["spill_bytes"] <= (0 if d == 64 else 192 if deterministic else 48), report
+    of shared memory (at d=128 with 2 Q/dO stages: 198 KB), and at most 32 spilled bytes: at
+    d=128 the mask arithmetic of the masked steps spills a few registers (the STL/LDL pair sits
+    in that branch of the SASS, not on the unmasked steps' path)."""
+    report = memory_ops("backward-sm90", d, *(["--causal"] if causal else []))
+    assert report["spill_bytes"] <= 32, report
     assert not report["wgmma_serialised"], report
     assert {24, 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report

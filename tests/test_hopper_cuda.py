@@ -3,9 +3,8 @@ grid against the float64 oracle with the 2x rule, forced on for every case (the 
 d=64 below 4k keys, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and
 the ones it leaves to the Triton kernel, and CUDA-graph replay; its determinism under 50 reruns is
 test_prefill_cuda's test_backward_is_reproducible (d=128 takes this kernel there). The backward
-(ops.backward._bwd_kernel_sm90), below, in both orders of dQ's additions (deterministic=True: a
-fixed order kept by counters; False: as the programs come): the grid, windows, layouts, the sink's
-delta, reruns (bitwise with deterministic=True) and CUDA-graph replay."""
+(ops.backward._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, reruns and
+CUDA-graph replay."""
 
 import pytest
 import torch
@@ -133,30 +132,23 @@ def hopper_backward_launches(monkeypatch):
     return calls
 
 
-ORDERS = pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
-
-
-@ORDERS
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("sq,sk", SEQLENS[:-1], ids=[f"{a}x{b}" for a, b in SEQLENS[:-1]])
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
-def test_backward_grid(hopper_backward_launches, d, sq, sk, dtype, causal, heads, deterministic):
+def test_backward_grid(hopper_backward_launches, d, sq, sk, dtype, causal, heads):
     """dQ, dK, dV against the float64 oracle with the 2x rule (outputs poisoned first)."""
     h, hk = heads
-    check_prefill(2, sq, sk, h, hk, d, dtype, "cuda", causal=causal, deterministic=deterministic)
+    check_prefill(2, sq, sk, h, hk, d, dtype, "cuda", causal=causal)
     assert hopper_backward_launches
 
 
-@ORDERS
 @pytest.mark.parametrize("lengths", [(700, 900), (900, 700)], ids=["sq<sk", "sq>sk"])
 @pytest.mark.parametrize("window", [(100, 20), (256, 0), (0, 0), (-1, 64), (64, -1)])
 @pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128-bf16", "d64-fp16"])
-def test_backward_window(hopper_backward_launches, window, lengths, d, dtype, deterministic):
-    """Each kind of bound: a right bound (causal among them) orders dQ's additions from the last
-    key block down, a left bound alone from the first key block that sees the rows up."""
-    check_prefill(2, *lengths, 4, 2, d, dtype, "cuda", window=window, deterministic=deterministic)
+def test_backward_window(hopper_backward_launches, window, lengths, d, dtype):
+    check_prefill(2, *lengths, 4, 2, d, dtype, "cuda", window=window)
     assert hopper_backward_launches
 
 
@@ -172,19 +164,9 @@ def test_backward_sink(hopper_backward_launches):
     assert hopper_backward_launches
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_launch_groups(hopper_backward_launches, causal):
-    """deterministic=True launches the programs in groups of (batch, K/V head) pairs that share L2
-    (backward._swizzle): 9 pairs in groups of 8, the last group of 1."""
-    assert backward._swizzle(torch.empty(3, 2048, 6, 128, dtype=torch.bfloat16, device="cuda"), 3, True) == 8
-    check_prefill(3, 2048, 2048, 6, 3, 128, torch.bfloat16, "cuda", causal=causal, deterministic=True)
-    assert hopper_backward_launches
-
-
-@ORDERS
-def test_backward_long(hopper_backward_launches, deterministic):
+def test_backward_long(hopper_backward_launches):
     """16k keys (one head pair): the oracle in float64 still fits; 2x rule."""
-    check_prefill(1, 4096, 16384, 2, 1, 128, torch.bfloat16, "cuda", causal=True, deterministic=deterministic)
+    check_prefill(1, 4096, 16384, 2, 1, 128, torch.bfloat16, "cuda", causal=True)
     assert hopper_backward_launches
 
 
@@ -193,48 +175,35 @@ def _grads(q, k, v, dout, window, **kw):
     return backward.attention_backward(dout, q, k, v, out, lse, q.shape[-1] ** -0.5, window, **kw)
 
 
-WINDOWS = {"causal": (None, 0), "full": (None, None), "left": (300, None), "band": (200, 100)}
-
-
-@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
-def test_backward_reruns(hopper_backward_launches, window):
-    """20 reruns of each order, dK and dV (summed in registers) bitwise equal in both; dQ bitwise
-    equal with deterministic=True, and without it (TMA reductions in whatever order the programs
-    come) equal to the deterministic dQ to fp32 rounding of the sum order. Against the Triton
-    programs (also bitwise reproducible) to well inside the 2x rule."""
+def test_backward_reruns(hopper_backward_launches):
+    """20 reruns: dK and dV (summed in registers) bitwise equal; dQ (summed by TMA reductions in
+    whatever order the programs finish) equal to the deterministic path's to fp32 rounding of the
+    sum order, well inside the 2x rule."""
     q, k, v = make_qkv(2, 4096, 4096, 16, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
-    first = _grads(q, k, v, dout, window, deterministic=True)
+    first = _grads(q, k, v, dout, (None, 0))
     for _ in range(20):
-        assert all(map(torch.equal, _grads(q, k, v, dout, window, deterministic=True), first))
-        dq, dk, dv = _grads(q, k, v, dout, window)
+        dq, dk, dv = _grads(q, k, v, dout, (None, 0))
         assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
         torch.testing.assert_close(dq, first[0], atol=2e-3, rtol=1e-2)
     launches = len(hopper_backward_launches)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
-        triton_grads = _grads(q, k, v, dout, window, deterministic=True)
-    assert len(hopper_backward_launches) == launches
-    for a, b in zip(first, triton_grads):
+    ref = _grads(q, k, v, dout, (None, 0), deterministic=True)
+    assert len(hopper_backward_launches) == launches  # deterministic=True: not this kernel
+    for a, b in zip(first, ref):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-@ORDERS
-def test_backward_cuda_graph(hopper_backward_launches, deterministic):
-    """Captured once, replayed on new inputs: dK, dV bitwise equal to eager calls, dQ too with
-    deterministic=True, else to the sum order (the fp32 dQ buffer and the order's counters are
-    allocated and zeroed inside the graph)."""
+def test_backward_cuda_graph(hopper_backward_launches):
+    """Captured once, replayed on new inputs: dK, dV bitwise equal to eager calls, dQ to the sum
+    order (the fp32 dQ buffer is allocated and zeroed inside the graph)."""
     q, k, v = make_qkv(2, 2048, 2048, 8, 2, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
-    graph, captured = capture(lambda: _grads(q, k, v, dout, (None, 0), deterministic=deterministic))
+    graph, captured = capture(lambda: _grads(q, k, v, dout, (None, 0)))
     for _ in range(3):
         for t in (q, k, v, dout):
             t.copy_(torch.randn_like(t))
         graph.replay()
-        dq, dk, dv = _grads(q, k, v, dout, (None, 0), deterministic=deterministic)
+        dq, dk, dv = _grads(q, k, v, dout, (None, 0))
         assert torch.equal(captured[1], dk) and torch.equal(captured[2], dv)
-        if deterministic:
-            assert torch.equal(captured[0], dq)
-        else:
-            torch.testing.assert_close(captured[0], dq, atol=2e-3, rtol=1e-2)
+        torch.testing.assert_close(captured[0], dq, atol=2e-3, rtol=1e-2)
     assert hopper_backward_launches

@@ -5,7 +5,6 @@ import torch
 
 import flashtile
 from flashtile.bench.harness import capture
-from flashtile.ops import configs
 from prefill_check import check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
@@ -58,13 +57,9 @@ def test_api_autograd_end_to_end():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-@pytest.mark.parametrize("kernels", ["dispatch", "triton"])
-def test_backward_is_reproducible(monkeypatch, kernels):
+def test_backward_is_reproducible():
     """A large backward 50 times with deterministic=True: out, LSE, dQ, dK, dV bitwise equal (no
-    races), as dispatched (on the H100 the Hopper backward, its dQ in a fixed order) and with the
-    Triton programs forced. (Both orders of the Hopper backward: test_hopper_cuda.test_backward_reruns.)"""
-    if kernels == "triton":
-        monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
+    races). (The default Hopper backward: test_hopper_cuda.test_backward_reruns.)"""
     q, k, v = make_qkv(4, 4096, 4096, 16, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     from flashtile.ops.backward import attention_backward
@@ -83,12 +78,11 @@ def test_backward_is_reproducible(monkeypatch, kernels):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward_cuda_graph(monkeypatch, d):
-    """The Triton backward (the dQ launch, then the dK/dV launch as its programmatic dependent; TMA
-    descriptors at d=128; forced where the Hopper kernel would run) captured in a CUDA graph and
-    replayed on new inputs written into the captured buffers: bitwise equal to eager launches.
-    (The Hopper backward: test_hopper_cuda.test_backward_cuda_graph.)"""
-    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
+def test_backward_cuda_graph(d):
+    """The deterministic backward (the dQ launch, then the dK/dV launch as its programmatic
+    dependent; TMA descriptors at d=128) captured in a CUDA graph and replayed on new inputs
+    written into the captured buffers: bitwise equal to eager launches. (The Hopper backward:
+    test_hopper_cuda.test_backward_cuda_graph.)"""
     from flashtile.ops.backward import attention_backward
     from flashtile.ops.forward import attention_forward
 

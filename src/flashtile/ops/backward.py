@@ -15,7 +15,7 @@ FA2 instead adds dS K into an fp32 dQ with atomics inside the dK/dV loop (5 matm
 pair). That path was built in Triton and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256):
 6-20% slower for the whole backward than the dQ programs at every shape, so it was removed
 (benchmarks/results/h100/NOTES.md). The Hopper variant at the end of this file does it in Gluon,
-with TMA reductions, and is faster there (with deterministic=True in a fixed order). Both loops
+with TMA reductions, and is faster there; deterministic=True keeps these programs. Both loops
 skip the blocks that the mask hides and run the fully visible ones without mask work
 (ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
 The forward's flags carry over: IS_VARLEN (each program finds its sequence in cu_seqlens; programs
@@ -446,10 +446,9 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     given dq/dk/dv when passed (e.g. views of one packed gradient buffer). Keys past seqused_k get
     zero gradients. delta: where to leave delta = rowsum(dO * O), shaped like lse (the attention
     sink's gradient is made of it: autograd.sink_grad); by default a buffer of its own.
-    deterministic: bitwise reproducible gradients. The Triton programs always are (dQ without
-    atomics); the Hopper kernel (configs.hopper_backward_config, the calls it supports) then adds
-    dQ's parts in a fixed order, else in the order the programs come (as flash-attn's, a few
-    percent faster: NOTES.md).
+    deterministic: bitwise reproducible gradients (the Triton programs, dQ without atomics);
+    otherwise the Hopper kernel takes the calls it supports (configs.hopper_backward_config), and
+    its dQ sums the key blocks in an order that varies from run to run (as flash-attn's).
     """
     if varlen is not None and varlen.block_table is not None:
         raise ValueError("the backward reads contiguous k/v: gather the pages first (the API does)")
@@ -474,10 +473,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         dv.zero_()
         return dq, dk, dv
 
-    hopper = configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq)
+    hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq)
     if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen,
                                                dropout):
-        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, deterministic)
+        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -536,9 +535,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # needs every key of the block: both warpgroups leave dS^T in shared memory, each multiplies it
 # by its half of K's columns and hands its half of the dQ tile to TMA's reduce-add into an fp32
 # buffer (cp.reduce.async.bulk), which ops.backward scales and casts at the end. 5 products per
-# block pair instead of the Triton path's 7. The additions come in whatever order the programs
-# reach a Q block, unless deterministic=True: then each (Q block, head, half) has a counter that
-# admits the key blocks one by one in a fixed order (_dq_order), FlashAttention-3's scheme.
+# block pair instead of the Triton path's 7, at the price of an order of additions that changes
+# from run to run: deterministic=True keeps the Triton path.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -547,80 +545,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """dst[box at coord] += src, by the copy engine (Gluon 3.6 has the op in its builder only)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _dq_order(n, n_blocks, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """(a, c): what _dq_turn needs of key block n (of n_blocks of BLOCK_N keys), computed once.
-
-    The deterministic order of dQ's additions is the order in which the programs reach a Q block,
-    so that a program seldom waits. Under a right bound (causal) a program starts at the first rows
-    that see its keys, so the last key block that sees a Q block reaches it first: descending order,
-    and n's turn at the rows from start_m is last(start_m) - n, last = min(n_blocks - 1,
-    (start_m + BLOCK_M - 1 - (sq - sk) + right) // BLOCK_N). Without one every program starts at
-    row 0: ascending, n - first(start_m) with first = max(start_m - (sq - sk) - left, 0) // BLOCK_N
-    (0 without a left bound). These invert the rows the programs take from block_range (keys over
-    rows, _bwd_kernel_sm90), so the key blocks counted are exactly those whose programs visit."""
-    if HAS_RIGHT:  # floor division is exact here: start_m + c >= 0 wherever key block n visits
-        return n_blocks - 1 - n, BLOCK_M - 1 - (sq - sk) + right - n * BLOCK_N
-    else:
-        return n, (sq - sk) + left
-
-
-@gluon.jit
-def _dq_turn(start_m, a, c, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Additions into the dQ rows from start_m that come before this program's (a, c: _dq_order)."""
-    if HAS_RIGHT:
-        turn = gl.minimum(a, (start_m + c) // BLOCK_N)
-    elif HAS_LEFT:
-        turn = a - gl.maximum(start_m - c, 0) // BLOCK_N
-    else:
-        turn = a
-    return turn
-
-
-@gluon.jit
-def _dq_count(sem):
-    """The Q block's count of additions so far (_dq_added), read early: the load's latency (an L2
-    round trip) overlaps the step's products, where a load at the reduction cost 10-20% of the
-    whole backward on the H100 (NOTES). Relaxed, as the count (see _dq_added): the reduction this
-    count admits is issued only after the value has been compared (a control dependency)."""
-    return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [sem], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _dq_wait_turn(sem, seen, turn):
-    """Return once the Q block's counter sem shows `turn` earlier additions (each counted once per
-    warp of its warpgroup, _dq_added): at once when the early read `seen` does, else polling, every
-    thread on its own load (no barrier or broadcast in the loop: Triton's scalar atomic adds both,
-    and the accumulators spilled around them)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 v;\n"
-        "mov.b32 v, $2; setp.lt.s32 p, v, $3; @!p bra done_${:uid};\n"
-        "spin_${:uid}: ld.relaxed.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $3; @p bra spin_${:uid};\n"
-        "done_${:uid}: mov.b32 $0, v; }", "=r,l,r,r", [sem, seen, turn * gl.num_warps()], dtype=gl.int32,
-        is_pure=False, pack=1)
-
-
-@gluon.jit
-def _dq_added(sem):
-    """Count the last addition of this warpgroup (into sem's Q block) as done, once its TMA
-    reduction is complete (not just its shared memory read, as tma.store_wait). Each warp waits
-    for its own bulk groups (the issuing thread's warp for the reduction) and adds 1 from its lane
-    0: the counter reaches a whole addition only when the issuing warp has, whichever that is.
-
-    The addition is relaxed, not a release: the reduction it follows was performed in L2 (its
-    bulk group complete) before the count was issued, and the next key block's program issues its
-    own reduction of the same rows only after it has read the count, so L2 applies the two in
-    that order. What a release would add, ordering this thread's earlier memory operations before
-    the count, is not needed, and its fence cost 10-25% of the whole backward on the H100 (NOTES)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 l;\n"
-        "cp.async.bulk.wait_group 0; bar.warp.sync -1;\n"
-        "mov.u32 l, %laneid; setp.eq.u32 p, l, 0; @p red.relaxed.gpu.global.add.s32 [$1], 1;\n"
-        "mov.b32 $0, 0; }", "=r,l", [sem], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -656,12 +580,10 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 @gluon.jit
 def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, hk, group, start_n, lo,
-                      n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale, sems,
-                      nheads, n_blocks, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      DETERMINISTIC: gl.constexpr):
+                      n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
-    columns of each Q block's dQ. DETERMINISTIC: the half-tile waits for its turn (_dq_turn) on
-    its rows' counter in sems before its reduction, and counts itself done one step later."""
+    columns of each Q block's dQ."""
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]
@@ -687,19 +609,11 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     n_steps = group * n_m
     if n_steps > 0:
         mbarrier.wait(kv_bar, 0)
-    m_blocks = gl.cdiv(sq, BLOCK_M)
-    sems += b * nheads * m_blocks * 2 + half  # this batch's counters of this half: (head, Q block, 2)
-    order_a, order_c = _dq_order(start_n // (2 * HALF_N), n_blocks, sq, sk, left, right, BLOCK_M, 2 * HALF_N,
-                                 HAS_LEFT, HAS_RIGHT)
-    sem_1 = 0  # the counter (offset into sems) of the step before: counted one step later
     for i in range(n_steps):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
         h = hk * group + i // n_m
         start_m = lo + (i % n_m) * BLOCK_M
-        if DETERMINISTIC:
-            sem = (h * m_blocks + start_m // BLOCK_M) * 2
-            seen = _dq_count(sems + sem)
         mbarrier.wait(q_ready.index(stage), phase)
         q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S^T = K Q^T
@@ -734,20 +648,11 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                k_bufs.index(1).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
                                dq_tok, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-        if DETERMINISTIC:  # the previous step's reduction has had this step's products to complete
-            if i > 0:
-                _dq_added(sems + sem_1)
-            sem_1 = sem
         tma.store_wait(0)  # the previous step's reduction has read dq_bufs[half]
         dq_bufs.index(half).reshape([BLOCK_M, HALF_D]).store(dq)
         fence_async_shared()
-        if DETERMINISTIC:
-            _dq_wait_turn(sems + sem, seen, _dq_turn(start_m, order_a, order_c, 2 * HALF_N, HAS_LEFT, HAS_RIGHT))
         _tma_reduce_add(dq_desc, [b, start_m, h, half * HALF_D], dq_bufs.index(half))  # rows past sq: clipped
 
-    if DETERMINISTIC:
-        if n_steps > 0:
-            _dq_added(sems + sem_1)
     tma.store_wait(0)
     # both warpgroups read both halves of K: wait for the other's last dQ product, then K's and V's
     # buffers of this half take dK and dV on their way out (rows past sk are clipped)
@@ -761,35 +666,17 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "swizzle"])
-def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, sems,
-                     batch, nheads, nheads_k, sq, sk, left, right, rows_pad, swizzle, qk_scale, softmax_scale,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr):
-    """Grid: key blocks of 128 x batch x K/V heads, in groups of `swizzle` (batch, K/V head) pairs
-    (fewer in the last): a group's programs run key block by key block, each block for every
-    pair of the group, so the pairs of a group share their Q and dO in L2. swizzle = 1: a pair's
-    key blocks one after the other, key block 0 first (the longest under a causal mask).
-    rows_pad: rows per head of the LSE and delta buffers (a multiple of the Q block).
-    DETERMINISTIC: dQ's additions in a fixed order (_dq_turn), counted in sems (int32, 2 per Q
-    block and query head, zeroed). A program waits only for key blocks launched before its own
-    (the blocks run in launch order), so under a right bound the last key block goes first; with
-    swizzle pairs between two key blocks of a pair, that one is well ahead when the next starts."""
+@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad"])
+def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
+                     nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Grid: (key blocks of 128, batch x K/V heads); key block 0 first, the longest with a causal
+    mask. rows_pad: rows per head of the LSE and delta buffers (a multiple of the Q block)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HALF_N: gl.constexpr = k_desc.block_type.shape[1]
-    n_blocks = gl.cdiv(sk, 2 * HALF_N)
-    pairs = batch * nheads_k
-    group_id = gl.program_id(0) // (swizzle * n_blocks)
-    within = gl.program_id(0) - group_id * (swizzle * n_blocks)
-    first = group_id * swizzle  # the group's first (batch, K/V head) pair
-    in_group = gl.minimum(swizzle, pairs - first)
-    pid_n = within // in_group
-    pair = first + within - pid_n * in_group
-    if DETERMINISTIC and HAS_RIGHT:
-        pid_n = n_blocks - 1 - pid_n
-    start_n = pid_n * 2 * HALF_N
-    b = pair // nheads_k
-    hk = pair - b * nheads_k
+    start_n = gl.program_id(0) * 2 * HALF_N
+    b = gl.program_id(1) // nheads_k
+    hk = gl.program_id(1) % nheads_k
     group = nheads // nheads_k
     diag_offset = sk - sq
     # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
@@ -826,11 +713,11 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, hk, group,
                              start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, sems, nheads, n_blocks, HAS_LEFT, HAS_RIGHT, DETERMINISTIC)),
+                             softmax_scale, HAS_LEFT, HAS_RIGHT)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, hk, group,
                              start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, sems, nheads, n_blocks, HAS_LEFT, HAS_RIGHT, DETERMINISTIC)),
+                             softmax_scale, HAS_LEFT, HAS_RIGHT)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad,
                           start_n, lo, n_m)),
@@ -849,20 +736,7 @@ def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes
     return all(map(tma_ok, (q, k, v, dout, dk, dv)))
 
 
-def _swizzle(q, hk: int, deterministic: bool) -> int:
-    """(batch, K/V head) pairs per launch group of _bwd_kernel_sm90. Deterministic: as many as L2
-    holds the Q, dO and fp32 dQ rows of (a power of two), so that the key blocks of a pair start
-    apart and each rarely waits for the one before (as FlashAttention-4's deterministic scheduler).
-    Otherwise 1, the order measured for the kernel before its deterministic mode."""
-    if not deterministic:
-        return 1
-    b, sq, h, d = q.shape
-    per_pair = (h // hk) * sq * d * (2 * q.element_size() + 4)
-    fits = torch.cuda.get_device_properties(q.device).L2_cache_size // per_pair
-    return 1 if fits < 1 else 1 << (fits.bit_length() - 1)
-
-
-def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, deterministic):
+def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     b, sq, h, d = q.shape
@@ -875,18 +749,14 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True)
     if delta is not None:  # the caller's copy, shaped like lse
         delta.copy_(stats[1].view(b, h, rows_pad)[..., :sq])
-    # the fp32 dQ and the deterministic order's counters (2 per Q block and query head), zeroed at once
-    zeroed = torch.zeros(q.numel() + (2 * b * h * rows_pad // cfg.block_m if deterministic else 1),
-                         dtype=torch.float32, device=q.device)
-    dq_acc, sems = zeroed[:q.numel()].view(q.shape), zeroed[q.numel():].view(torch.int32)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
     half_n = cfg.block_n // 2
-    _bwd_kernel_sm90[(cdiv(sk, cfg.block_n) * b * hk, )](
+    _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), b * hk)](
         box_descriptor(q, cfg.block_m), box_descriptor(dout, cfg.block_m), box_descriptor(k, half_n),
         box_descriptor(v, half_n), *rows, box_descriptor(dk, half_n), box_descriptor(dv, half_n),
-        box_descriptor(dq_acc, cfg.block_m, d // 2), sems,
-        b, h, hk, sq, sk, left or 0, right or 0, rows_pad, _swizzle(q, hk, deterministic),
-        kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
+        box_descriptor(dq_acc, cfg.block_m, d // 2),
+        h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-        DETERMINISTIC=deterministic, num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+        num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
     torch.mul(dq_acc, softmax_scale, out=dq)
