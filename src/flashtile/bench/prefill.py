@@ -2,8 +2,8 @@
 
 Shapes are the FA2/FA3 papers' (BENCHMARKS.md): bf16, batch x seqlen = 16384 tokens,
 nheads x headdim = 2048. Peers (`--peers`, default all): `flashtile` (flash-attn's default,
-deterministic=False), `flashtile-det` (deterministic=True: the backward's dQ added up in a fixed
-order), `flashtile-triton` (flashtile with its Hopper kernels switched off for the whole
+deterministic=False), `flashtile-det` (deterministic=True: the bitwise reproducible backward,
+the Triton programs), `flashtile-triton` (flashtile with its Hopper kernels switched off for the whole
 measurement, the Triton kernels only: the A/B baseline of the Hopper kernels), SDPA's
 FlashAttention-2 (`sdpa-flash`),
 cuDNN and memory-efficient backends, FlashAttention-4 (`fa4`, its default non-deterministic
