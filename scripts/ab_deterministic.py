@@ -1,0 +1,60 @@
+"""The backward with deterministic=True against deterministic=False, and reruns of the first.
+
+    PYTHONPATH=src python scripts/ab_deterministic.py [time|reruns] [ROUNDS]
+
+time: bf16, 16k tokens, heads x d = 2048 (bench prefill's shapes), d 64 / 128, causal and not,
+1k-16k; ops.backward.attention_backward alone (forward done once), each round timing both
+settings one after the other (harness.bench_ms). Prints TFLOP/s and det / any-order.
+reruns: deterministic=True ROUNDS times (default 150) on shapes where an ordering race would
+show (GQA 16/4 causal at 4 x 4k among them): how many dQ differ bitwise from the first call's.
+Used for the ordered Hopper backward tried in c0bb5c2 (NOTES.md, "Deterministic Hopper backward").
+"""
+
+import sys
+
+import torch
+
+from flashtile.bench import harness
+from flashtile.ops.backward import attention_backward
+from flashtile.ops.forward import attention_forward
+
+
+def qkv(b, s, h, hk, d):
+    return [torch.randn(b, s, h if i == 0 else hk, d, device="cuda", dtype=torch.bfloat16) for i in range(3)]
+
+
+def timing(rounds: int) -> None:
+    for d in (128, 64):
+        for causal in (False, True):
+            for seqlen in (1024, 2048, 4096, 8192, 16384):
+                b, h = 16384 // seqlen, 2048 // d
+                q, k, v = qkv(b, seqlen, h, h, d)
+                dout, window = torch.randn_like(q), (None, 0 if causal else None)
+                out, lse = attention_forward(q, k, v, d ** -0.5, window)
+                ms = {False: [], True: []}
+                for _ in range(rounds):
+                    for det in ms:
+                        ms[det].append(harness.bench_ms(lambda: attention_backward(
+                            dout, q, k, v, out, lse, d ** -0.5, window, deterministic=det)))
+                flops = 2.5 * 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
+                print(f"d={d} causal={causal:d} s={seqlen:5d}: any-order {flops / min(ms[False]) * 1e-9:.0f} "
+                      f"deterministic {flops / min(ms[True]) * 1e-9:.0f} TFLOP/s, "
+                      f"det / any {min(ms[False]) / min(ms[True]):.3f}", flush=True)
+
+
+def reruns(rounds: int) -> None:
+    for b, s, h, hk, causal in ((4, 4096, 16, 4, True), (4, 4096, 16, 4, False), (8, 2048, 16, 16, True)):
+        q, k, v = qkv(b, s, h, hk, 128)
+        dout, window = torch.randn_like(q), (None, 0 if causal else None)
+        out, lse = attention_forward(q, k, v, 128 ** -0.5, window)
+        first = attention_backward(dout, q, k, v, out, lse, 128 ** -0.5, window, deterministic=True)[0].clone()
+        differ = sum(not torch.equal(attention_backward(dout, q, k, v, out, lse, 128 ** -0.5, window,
+                                                        deterministic=True)[0], first) for _ in range(rounds))
+        print(f"b={b} s={s} heads={h}/{hk} causal={causal}: dQ differs from the first in {differ} of {rounds} reruns",
+              flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "time"
+    count = int(sys.argv[2]) if len(sys.argv) > 2 else (2 if mode == "time" else 150)
+    {"time": timing, "reruns": reruns}[mode](count)
