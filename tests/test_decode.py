@@ -228,6 +228,9 @@ VALUE_CASES = {  # check_cache_values: (kwargs, the longest key range)
                                        leftpad=[16, 0, 0], page_size=16), 32),
     "shared-read-pages": (dict(lengths=[16, 16], seqlen_new=1, table=[[0, 1], [0, 2]], page_size=16), 17),
     "rotary": (dict(lengths=[3, 10, 0], seqlen_new=2, rotary_len=12, rotary_reach=2), 12),
+    "int": (dict(lengths=10, seqlen_new=2, rotary_len=12, rotary_reach=2), 12),
+    "int-leftpad": (dict(lengths=10, seqlen_new=2, leftpad=[2, 9, 4]), 10),
+    "int-paged": (dict(lengths=20, seqlen_new=1, table=[[0, 1], [2, 3], [4, 0]], page_size=16), 21),
 }
 
 
@@ -235,10 +238,22 @@ VALUE_CASES = {  # check_cache_values: (kwargs, the longest key range)
 def test_check_cache_values(kw, want):
     kw = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in kw.items()}
     paged = "table" in kw
-    assert _checks.check_cache_values(kw.pop("lengths"), kw.pop("seqlen_new"), 32 if paged else 20,
+    assert _checks.check_cache_values(kw.pop("lengths"), 3, kw.pop("seqlen_new"), 32 if paged else 20,
                                       5 if paged else 3, **kw) == want
-    with pytest.raises(ValueError, match="rotary_cos/rotary_sin have 11 positions"):
-        _checks.check_cache_values(torch.tensor([3, 10]), 2, 20, 3, rotary_len=11, rotary_reach=2)
+    for lengths in (torch.tensor([3, 10, 0]), 10):  # a length per row, or one for every row
+        with pytest.raises(ValueError, match="rotary_cos/rotary_sin have 11 positions.*reach position 11"):
+            _checks.check_cache_values(lengths, 3, 2, 20, 3, rotary_len=11, rotary_reach=2)
+        with pytest.raises(ValueError, match=r"cache overflow: batch row 1 holds 10 tokens \(cache_seqlens\) and "
+                                             r"appends 11, but k_cache holds 20"):
+            _checks.check_cache_values(lengths if isinstance(lengths, torch.Tensor) else torch.tensor([0, 10, 0]),
+                                       3, 11, 20, 3)
+    with pytest.raises(ValueError, match=r"cache overflow: batch row 0 holds 10 tokens .* appends 23, but "
+                                         r"block_table reaches 32 \(2 pages of 16\)"):
+        _checks.check_cache_values(10, 3, 23, 32, 6, table=torch.arange(6, dtype=torch.int32).view(3, 2),
+                                   page_size=16)
+    with pytest.raises(ValueError, match=r"cache overflow: batch row 0 holds 10 tokens .* appends 11, but "
+                                         r"k_cache holds 20"):
+        _checks.check_cache_values(10, 3, 11, 20, 3)
 
 
 MERGE_ERRORS = {

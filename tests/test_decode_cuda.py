@@ -93,18 +93,21 @@ def test_fused_merge_on_the_gpu(num_splits, monkeypatch):
     first = plan.run(q, k_cache, v_cache)
     for _ in range(50):
         assert torch.equal(plan.run(q, k_cache, v_cache), first)
-    assert all(not c.any() for c in plan._launch.arrivals.values())
-    # flash_attn_with_kvcache's plans: each call has its own partials, so streams may overlap
+    assert all(not c.any() for _, _, c in plan._launch.scratch.values())
+    # each stream has its own partials and counters, so streams may overlap: the plan's runs and
+    # flash_attn_with_kvcache's (whose plans are cached too)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     streams = [torch.cuda.Stream() for _ in range(2)]
     outs = []
     torch.cuda.synchronize()
     for stream in streams:
         with torch.cuda.stream(stream):
-            outs.append([flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits)
-                         for _ in range(20)])
+            outs.append([plan.run(q, k_cache, v_cache) for _ in range(10)] +
+                        [flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits)
+                         for _ in range(10)])
     torch.cuda.synchronize()
     assert all(torch.equal(o, first) for run in outs for o in run)
+    assert len(plan._launch.scratch) == 3
 
 
 FEATURES = {

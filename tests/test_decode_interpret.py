@@ -236,7 +236,7 @@ def test_one_plan_runs_every_layer(page_size):
         assert torch.equal(out, want) and torch.equal(lse, want_lse), f"layer {layer}"
         assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc), f"layer {layer}: appended keys"
     launch = plan._launch
-    assert launch.fused and list(launch.arrivals) == [None]  # CPU tensors: one stream, no handle
+    assert launch.fused and list(launch.scratch) == [None]  # CPU tensors: one stream, no handle
     # without the LSE asked for, the kernels write it where the plan keeps it, the same buffer each run
     k_cache, v_cache, _ = make_cache(b, capacity, hk, d, torch.float16, "cpu", page_size, b)
     if table is not None:
@@ -248,7 +248,7 @@ def test_one_plan_runs_every_layer(page_size):
     assert torch.equal(plan.run(q, k_cache, v_cache, k, v), want)
     unread = launch.unread["lse"]
     assert torch.equal(plan.run(q, k_cache.clone(), v_cache.clone(), k, v), want) and launch.unread["lse"] is unread
-    assert not launch.arrivals[None].any(), "the fused merge leaves its arrival counters zeroed"
+    assert not launch.scratch[None][2].any(), "the fused merge leaves its arrival counters zeroed"
 
 
 @pytest.mark.parametrize("sq,h,hk,num_splits", [(1, 8, 2, 5), (9, 16, 2, 2), (2, 4, 4, 7)],

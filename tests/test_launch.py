@@ -59,7 +59,8 @@ def test_second_call_launches_the_compiled_kernel_directly(kernel):
     assert kernel.direct_calls == [(7, 1, 1, 77, "fn", "meta", None, None, None, x2, y2, 5, 0.5, True, 1)]
 
 
-@pytest.mark.parametrize("change", ["misaligned", "dtype", "scalar", "constexpr", "warps", "absent"])
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "scalar-one", "scalar-divisible", "scalar-int64",
+                                    "constexpr", "warps", "absent"])
 def test_any_specialisation_change_goes_back_through_triton(kernel, change):
     x, y = FakeTensor(1024), FakeTensor(2048)
     call = dict(tensors=(x, y), scalars=(5, 0.5), warps=4, consts=dict(A=1, B=True))
@@ -68,8 +69,8 @@ def test_any_specialisation_change_goes_back_through_triton(kernel, change):
         call["tensors"] = (x, FakeTensor(2048 + 8))
     elif change == "dtype":
         call["tensors"] = (x, FakeTensor(2048, "bf16"))
-    elif change == "scalar":
-        call["scalars"] = (6, 0.5)
+    elif change.startswith("scalar"):  # what Triton specialises an int on: == 1, 16 | n, int32 or not
+        call["scalars"] = ({"scalar-one": 1, "scalar-divisible": 32, "scalar-int64": 2**31}[change], 0.5)
     elif change == "constexpr":
         call["consts"] = dict(A=2, B=True)
     elif change == "warps":
@@ -78,6 +79,20 @@ def test_any_specialisation_change_goes_back_through_triton(kernel, change):
         call["tensors"] = (x, None)
     _launch.launch(kernel, (1,), call["tensors"], call["scalars"], call["warps"], 2, **call["consts"])
     assert len(kernel.triton_calls) == 2 and kernel.direct_calls == []
+
+
+def test_scalar_values_triton_does_not_specialise_on_launch_directly(kernel):
+    """Another int of the same specialisation (not 1, 16 does not divide it, int32) and another
+    float launch the kernel compiled for the first values, with the new values; the new key is
+    kept, so a third call hashes only its values."""
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    _launch.launch(kernel, (1,), (x, y), (5, 0.5), 4, 2, A=1, B=True)
+    _launch.launch(kernel, (1,), (x, y), (7, 0.25), 4, 2, A=1, B=True)
+    assert len(kernel.triton_calls) == 1
+    assert kernel.direct_calls == [(1, 1, 1, 77, "fn", "meta", None, None, None, x, y, 7, 0.25, True, 1)]
+    assert len(kernel._flashtile_launches) == 3  # (5, 0.5), its specialisation, (7, 0.25)
+    _launch.launch(kernel, (1,), (x, y), (2**31 - 1, 0.25), 4, 2, A=1, B=True)
+    assert len(kernel.triton_calls) == 1 and len(kernel.direct_calls) == 2
 
 
 def test_cache_is_bounded(kernel, monkeypatch):
@@ -120,10 +135,51 @@ def test_prepared_launch_keys_only_its_own_arguments(kernel):
     assert len(kernel.triton_calls) == 1 and len(kernel.direct_calls) == 2
     # grid, stream, handles, then the call's tensors, the fixed ones, the scalars, the constexprs
     assert kernel.direct_calls[0][:4] == (3, 1, 1, 77) and kernel.direct_calls[0][10:] == (y, fixed, 5, 0.5, True, 1)
+    # values Triton does not specialise on: a call's int, a fixed float (the next step's plan)
+    first((x, y), (6,))
+    _launch.Prepared(kernel, (3,), (fixed,), (0.25,), 4, 2, A=1, B=True)((x, y), (7,))
+    assert len(kernel.triton_calls) == 1 and kernel.direct_calls[-1][10:] == (y, fixed, 7, 0.25, True, 1)
     for call in (lambda: first((x, FakeTensor(2048 + 8)), (5,)),  # alignment of a call tensor
-                 lambda: first((x, y), (6,)),  # a call scalar
-                 lambda: _launch.Prepared(kernel, (3,), (fixed,), (0.25,), 4, 2, A=1, B=True)((x, y), (5,)),
+                 lambda: first((x, y), (16,)),  # a call scalar that 16 divides
+                 lambda: _launch.Prepared(kernel, (3,), (fixed,), (0.5,), 4, 2, A=2, B=True)((x, y), (5,)),
                  lambda: _launch.Prepared(kernel, (3,), (FakeTensor(4096 + 4),), (0.5,), 4, 2, A=1, B=True)((x, y), (5,))):
         before = len(kernel.triton_calls)
         call()
         assert len(kernel.triton_calls) == before + 1
+
+
+@pytest.mark.parametrize("scratch", [0, 256], ids=["no-scratch", "global-scratch"])
+def test_a_kernel_without_scratch_is_launched_by_the_c_function(monkeypatch, scratch):
+    """Triton's launcher object allocates scratch and calls its C function with its flags; with no
+    scratch to allocate, the cached launch calls the C function with those flags itself."""
+    calls = []
+
+    class Launcher:  # the fields of triton.backends.nvidia.driver.CudaLauncher that matter here
+        global_scratch_size, profile_scratch_size = scratch, 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def launch(self, *args):
+            calls.append(("c", args))
+
+        def __call__(self, *args):
+            calls.append(("wrapper", args))
+
+    class Kernel(FakeKernel):
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                self.triton_calls.append((grid, args, kwargs))
+                compiled = object.__new__(triton.compiler.CompiledKernel)
+                compiled._run, compiled.function, compiled.packed_metadata = Launcher(), "fn", "meta"
+                return compiled
+            return call
+
+    monkeypatch.setattr(_launch, "current_stream", lambda device: 77)
+    kernel, x = Kernel(["X", "Y", "n", "scale", "B", "A"]), FakeTensor(1024)
+    for _ in range(2):
+        _launch.launch(kernel, (2,), (x, x), (5, 0.5), 4, 2, A=1, B=True)
+    assert len(kernel.triton_calls) == 1
+    if scratch:
+        assert calls == [("wrapper", (2, 1, 1, 77, "fn", "meta", None, None, None, x, x, 5, 0.5, True, 1))]
+    else:
+        assert calls == [("c", (2, 1, 1, 77, "fn", False, True, None, None, "meta", None, None, None, x, x, 5, 0.5,
+                                True, 1))]

@@ -412,13 +412,13 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 # Values of a KV cache's index tensors (flash_attn_with_kvcache, DecodePlan)
 # --------------------------------------------------------------------------------------------
 
-def check_cache_values(lengths: torch.Tensor, seqlen_new: int, capacity: int, cache_rows: int, *,
+def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_rows: int, *,
                        leftpad=None, batch_idx=None, table=None, page_size: int = 0,
                        rotary_len: Optional[int] = None, rotary_reach: int = 0) -> int:
     """Check the host values of a decoding call's indices; return the longest key range of a row.
 
-    lengths (b,): tokens already cached per batch row (cache_seqlens); seqlen_new appended after
-    them. Contiguous: capacity = k_cache.shape[1], cache_rows = k_cache.shape[0] sequences
+    lengths (b,), or an int >= 0 that every row holds: tokens already cached per batch row
+    (cache_seqlens); seqlen_new appended after them. Contiguous: capacity = k_cache.shape[1], cache_rows = k_cache.shape[0] sequences
     (batch_idx (b,) picks them). Paged: table (b, max_pages) of pages of page_size rows, capacity
     = max_pages * page_size, cache_rows = pages in k_cache. leftpad (b,): the first position a row
     reads. The rotary tables (rotary_len positions) must reach lengths + rotary_reach. Besides
@@ -429,18 +429,22 @@ def check_cache_values(lengths: torch.Tensor, seqlen_new: int, capacity: int, ca
     rows (serving batches hold hundreds), and numpy's ~1 us per operation on small arrays against
     torch's ~3 (this runs once per decoding step: DecodePlan).
     """
-    if lengths.shape[0] == 0:
+    if b == 0:
         return 0
-    n = lengths.numpy().astype(np.int64)  # (b,)
+    if isinstance(lengths, int) and leftpad is None and batch_idx is None and table is None:
+        # one length for every row, each row its own cache sequence: nothing to vectorise
+        if lengths + seqlen_new > capacity:
+            _overflow(0, lengths, seqlen_new, capacity, page_size)
+        if rotary_len is not None and lengths + rotary_reach > rotary_len:
+            _rotary_short(rotary_len, lengths + rotary_reach)
+        return lengths + seqlen_new
+    n = np.full(b, lengths, dtype=np.int64) if isinstance(lengths, int) else lengths.numpy().astype(np.int64)
     ends = n + seqlen_new  # one past the last position each row writes or reads
     if n.min() < 0 or ends.max() > capacity:
         row = int(np.flatnonzero((n < 0) | (ends > capacity))[0])
         if n[row] < 0:
             raise ValueError(f"cache_seqlens[{row}] = {n[row]} must be >= 0")
-        reach = (f"block_table reaches {capacity} ({capacity // page_size} pages of {page_size})" if page_size
-                 else f"k_cache holds {capacity} per sequence (k_cache.shape[1])")
-        raise ValueError(f"cache overflow: batch row {row} holds {n[row]} tokens (cache_seqlens) and appends "
-                         f"{seqlen_new}, but {reach}")
+        _overflow(row, n[row], seqlen_new, capacity, page_size)
     starts = np.zeros_like(n)
     if leftpad is not None:
         starts = leftpad.numpy().astype(np.int64)
@@ -472,9 +476,20 @@ def check_cache_values(lengths: torch.Tensor, seqlen_new: int, capacity: int, ca
             _check_disjoint(np.take_along_axis(pages, pos // page_size, 1) * page_size + pos % page_size,
                             lambda r: f"row {r % page_size} of page {r // page_size} (block_table)")
     if rotary_len is not None and n.max() + rotary_reach > rotary_len:
-        raise ValueError(f"rotary_cos/rotary_sin have {rotary_len} positions, but the new tokens and queries "
-                         f"reach position {n.max() + rotary_reach - 1}")
+        _rotary_short(rotary_len, n.max() + rotary_reach)
     return int((ends - starts).max())
+
+
+def _overflow(row: int, held: int, seqlen_new: int, capacity: int, page_size: int):
+    reach = (f"block_table reaches {capacity} ({capacity // page_size} pages of {page_size})" if page_size
+             else f"k_cache holds {capacity} per sequence (k_cache.shape[1])")
+    raise ValueError(f"cache overflow: batch row {row} holds {held} tokens (cache_seqlens) and appends "
+                     f"{seqlen_new}, but {reach}")
+
+
+def _rotary_short(rotary_len: int, reach: int):
+    raise ValueError(f"rotary_cos/rotary_sin have {rotary_len} positions, but the new tokens and queries "
+                     f"reach position {reach - 1}")
 
 
 def _check_disjoint(written: np.ndarray, where) -> None:

@@ -33,8 +33,11 @@ def use_backend(name: str):
 
 
 def _device_guard(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it t's (tensors on cuda:1 and so on)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it t's (tensors on cuda:1 and so on) when
+    it is another (entering torch.cuda.device costs more than asking)."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def interpreter_on() -> bool:
@@ -410,9 +413,11 @@ class DecodePlan:
     addresses), page indices, cache_leftpad, cache_batch_idx, rotary table length, and that no two
     batch rows append into the same cache row. A call that fails raises and writes nothing.
 
-    Runs must be ordered on one stream (a model's layers are): they share the plan's split
-    partials. float32 dots follow torch.backends.cuda.matmul.allow_tf32 as it was at planning. run() reads nothing on the host, so it can be captured in a CUDA graph; keep the plan
-    alive as long as the graph. Index values changed after planning (in place, or under capture,
+    The runs on one CUDA stream share the split partials, allocated at the first run there (a stream
+    runs them in order; a model's layers are); runs on different streams have their own. float32
+    dots follow torch.backends.cuda.matmul.allow_tf32 as it was at planning. run() reads nothing on
+    the host, so it can be captured in a CUDA graph (a first run on the capture stream allocates
+    from the graph's pool); keep the plan alive as long as the graph. Index values changed after planning (in place, or under capture,
     where nothing is checked) are not checked: the kernels then clamp every index into the tensors
     it addresses - new rows at positions outside the cache, on a page index outside k_cache, or for
     a cache_batch_idx outside k_cache are not written; a row reads only cache positions in [0,
@@ -440,20 +445,19 @@ class DecodePlan:
             cache_seqlens = _lengths_to_device(cache_seqlens, batch, device)
         self._plan(batch, seqlen_q, nheads, cache_shape, dtype, device, seqlen_new, cache_seqlens, cache_batch_idx,
                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   rotary_cos, rotary_sin, rotary_interleaved, num_splits, own_partials=True)
+                   rotary_cos, rotary_sin, rotary_interleaved, num_splits)
 
     @classmethod
     def _for_call(cls, q, k_cache, seqlen_new, *args) -> "DecodePlan":
-        """The plan of one flash_attn_with_kvcache call (its tensors checked by _check_tensors);
-        the call allocates its own split partials, so calls may run on any stream."""
+        """The plan of one flash_attn_with_kvcache call (its tensors checked by _check_tensors)."""
         plan = cls.__new__(cls)
         b, sq, h, _ = q.shape
-        plan._plan(b, sq, h, k_cache.shape, q.dtype, q.device, seqlen_new, *args, own_partials=False)
+        plan._plan(b, sq, h, k_cache.shape, q.dtype, q.device, seqlen_new, *args)
         return plan
 
     def _plan(self, b, sq, h, cache_shape, dtype, device, s_new, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, rotary_sin,
-              rotary_interleaved, num_splits, own_partials):
+              rotary_interleaved, num_splits):
         """Every check of the batch and the launch plan: the one path of DecodePlan and
         flash_attn_with_kvcache."""
         cache_rows, rows_per_block, hk, d = cache_shape
@@ -487,8 +491,7 @@ class DecodePlan:
             _checks.check_index_tensor("cache_seqlens", cache_seqlens, device, (b,))
             lengths = _checks.host_copy(cache_seqlens)
         else:
-            n = _checks.check_int("cache_seqlens", cache_seqlens)
-            cache_seqlens, lengths = n, torch.full((b,), n, dtype=torch.int64)
+            cache_seqlens = lengths = _checks.check_int("cache_seqlens", cache_seqlens)  # every row's
         for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if t is not None:
                 _checks.check_index_tensor(name, t, device, (b,))
@@ -525,7 +528,7 @@ class DecodePlan:
         if self._checked:
             local = left >= 0 or right >= 0
             max_keys = _checks.check_cache_values(
-                lengths, s_new, capacity, cache_rows, leftpad=host[0], batch_idx=host[1], table=host[2],
+                lengths, b, s_new, capacity, cache_rows, leftpad=host[0], batch_idx=host[1], table=host[2],
                 page_size=page_size, rotary_len=None if rotary_cos is None else rotary_cos.shape[0],
                 rotary_reach=max(s_new, sq if local else 1))
         if left >= 0:  # one M block of query rows sees at most this many keys
@@ -542,8 +545,7 @@ class DecodePlan:
         self._options = dict(softmax_scale=scale, window=(left, right), softcap=softcap, num_splits=num_splits,
                              max_keys=max_keys)
         self._causal = causal
-        self._geometry = dict(page_size=page_size, capacity=capacity, cache_rows=cache_rows,
-                              own_partials=own_partials)
+        self._geometry = dict(page_size=page_size, capacity=capacity, cache_rows=cache_rows)
         # the kernels' plan; kept off the reference path, which must not import triton. Runs with an
         # attention sink take a variant of it, planned at the first such run
         self._launch = self._kernel_plan() if device.type == "cuda" or interpreter_on() else None
@@ -728,9 +730,11 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
     if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(k, (torch.Tensor, type(None))) \
             and not torch.compiler.is_compiling():
         try:
-            # float32 dots follow allow_tf32 as it is when the plan is made
+            # float32 dots follow allow_tf32 as it is when the plan is made; a tensor argument is
+            # keyed by identity and version, anything else by value
             key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape,
-                   q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, *map(_identity, args))
+                   q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+                   *[(id(x), x._version) if isinstance(x, torch.Tensor) else x for x in args])
             plan = _recent_plans.get(key)
         except (RuntimeError, TypeError):  # an inference tensor (no version counter), an unhashable option
             key = plan = None
@@ -742,12 +746,6 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
             del _recent_plans[next(iter(_recent_plans))]
         _recent_plans[key] = plan
     return plan
-
-
-def _identity(x):
-    """An argument as a key of _recent_plans holds it: a tensor by identity and version (RuntimeError
-    for an inference tensor, which has no version), anything else by value."""
-    return (id(x), x._version) if isinstance(x, torch.Tensor) else x
 
 
 def merge_attention_states(out_partial, lse_partial, learnable_sink=None):

@@ -230,38 +230,39 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: run in autocast's dtype
         dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d) views
-    options = dict(dropout_p=float(dropout) if module.training else 0.0, softmax_scale=scaling, causal=is_causal,
-                   window_size=_window_size(sliding_window, is_causal), softcap=float(softcap or 0.0))
-    if kwargs.get("s_aux") is not None:  # absent otherwise: calls without sinks are the same as before them
-        options["learnable_sink"] = kwargs["s_aux"]
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (b, s, h, d) views
+    dropout_p = float(dropout) if module.training else 0.0
+    options = dict(softmax_scale=scaling, causal=is_causal, window_size=_window_size(sliding_window, is_causal),
+                   softcap=float(softcap or 0.0))
+    sink = kwargs.get("s_aux")
+    if sink is not None:  # absent otherwise: calls without sinks are the same as before them
+        options["learnable_sink"] = sink
     if attention_mask is not None:
-        out = _padded(q, k, v, attention_mask, options)
+        out = _padded(q, k, v, attention_mask, dict(options, dropout_p=dropout_p))
     else:
         packed = _packed_sequences(q, k, kwargs)
-        if packed is None and _decoding_step(q, k, v, options):
-            options.pop("dropout_p")
+        if packed is None and _decoding_step(q, k, v, dropout_p, sink):
             out = flash_attn_with_kvcache(q, k, v, **options)
         elif packed is None:
-            out = flash_attn_func(q, k, v, **options)
+            out = flash_attn_func(q, k, v, dropout_p=dropout_p, **options)
         else:
             b, sq, h = q.shape[:3]
             cu_q, cu_k, max_q, max_k = packed
             out = flash_attn_varlen_func(q.reshape(-1, h, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-                                         cu_q, cu_k, max_q, max_k, **options).view(b, sq, h, d)
-    return out[..., :dv], None
+                                         cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, **options).view(b, sq, h, d)
+    return (out if dv == d else out[..., :dv]), None
 
 
-def _decoding_step(q, k, v, options: dict) -> bool:
+def _decoding_step(q, k, v, dropout_p: float, sink) -> bool:
     """Whether flash_attn_with_kvcache runs this call: a few queries over more keys (q (b, sq, h, d),
     k (b, sk, hk, d)), no dropout and nothing to differentiate. The decoding kernels have no
     backward: a forward that builds a graph (a training step over a cache; a sink parameter with
     grad enabled) stays on flash_attn_func, or its gradients would be lost."""
-    if options["dropout_p"] != 0.0 or not q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1]:
+    if dropout_p != 0.0 or not q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1]:
         return False
-    tensors = (q, k, v, options.get("learnable_sink"))
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                             or sink is not None and sink.requires_grad))
 
 
 def _reject_unsupported(attention_mask, kwargs: dict) -> None:

@@ -8,13 +8,14 @@ only then launches. On the H100 machine's host that took 34 µs per call for the
 
 `launch` keeps Triton's own answer. The first call with a given key goes through `kernel[grid]`
 (compiling if needed) and keeps the compiled kernel it returns; later calls with the same key
-launch that kernel directly. The key holds everything Triton specialises on: every scalar argument
-by value, each tensor's dtype and whether its address is 16-byte aligned, the constexprs, warps
-and stages, and the device - so a cached launch runs the binary Triton would have picked. Scalars
-vary per call only in rare paths (an int cache_seqlens); those keys miss, take Triton's path, and
-the cache is emptied when it grows past MAX_ENTRIES. Under TRITON_INTERPRET=1, with launch hooks
-installed (profilers) or with anything Triton's path does not return as a compiled kernel, every
-call takes Triton's path.
+launch that kernel directly. The key holds every scalar argument by value, each tensor's dtype and
+whether its address is 16-byte aligned, the constexprs, warps and stages, and the device. A call
+whose scalars changed (a cache that grew by a token: its length and strides) looks again by
+what Triton specialises a scalar on - an int's type by range (int32, uint64, int64), whether it is
+1, whether 16 divides it; a float's type - before it takes Triton's path (tens of µs): so a cached
+launch runs the binary Triton would have picked. The cache is emptied when it grows past
+MAX_ENTRIES. Under TRITON_INTERPRET=1, with launch hooks installed (profilers) or with anything
+Triton's path does not return as a compiled kernel, every call takes Triton's path.
 
 `Prepared` is the same cache for a launch whose trailing arguments are fixed in advance (the
 decoding plan's): their part of the key is hashed once, and each call keys only its own tensors
@@ -55,6 +56,14 @@ def _tensor_key(t):
     return (t.dtype, t.data_ptr() % 16 == 0)
 
 
+def _scalar_classes(scalars: tuple) -> tuple:
+    """What Triton specialises each scalar argument on: an int's type (int32, uint64 or int64, by
+    its range), whether 16 divides it and whether it is 1; a float only by its type; a bool or None
+    by value. (One comprehension: this runs over ~60 scalars whenever a plan is made.)"""
+    return tuple((x & 15 == 0, x == 1, -2147483648 <= x < 2147483648, x >= 9223372036854775808) if type(x) is int
+                 else float if type(x) is float else x for x in scalars)
+
+
 def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
            launch_pdl: bool = False, **constexprs):
     """kernel[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...), cached.
@@ -70,34 +79,65 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
     if not tensors[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
         return kernel[grid](*tensors, *scalars, **constexprs, **options)
     device = tensors[0].get_device()
-    key = (device, num_warps, num_stages, launch_pdl, scalars, tuple(constexprs.items()),
-           tuple(map(_tensor_key, tensors)))
-    _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device)
+    rest = (num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
+    _cached_launch(kernel, (device, scalars, *rest), grid, tensors, scalars, constexprs, options, device,
+                   general=lambda: ("class", device, _scalar_classes(scalars), *rest))
 
 
-def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device) -> None:
-    """Launch the compiled kernel kept under key, or go through Triton once and keep it."""
-    cache = kernel.__dict__.get("_flashtile_launches")  # {key: (compiled, constexprs in signature order)}
+def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device, stream=None, general=None):
+    """Launch the compiled kernel kept under key, or under general() (the key with each scalar's
+    specialisation in place of its value), or go through Triton once and keep it under both;
+    stream: the current stream of device, when the caller has it."""
+    cache = kernel.__dict__.get("_flashtile_launches")  # {key: _direct(compiled) + (constexprs in signature order,)}
     if cache is None:
         cache = kernel._flashtile_launches = {}
     hit = cache.get(key)
     if hit is None:
-        compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
-        if isinstance(compiled, triton.compiler.CompiledKernel):
-            names = [p.name for p in kernel.params]
-            tail = names[len(tensors) + len(scalars):]
-            if len(cache) >= MAX_ENTRIES:
-                cache.clear()
-            cache[key] = (compiled, tuple(constexprs[n] for n in tail))
-        return
-    compiled, tail = hit
+        general_key = general()
+        hit = cache.get(general_key)
+        if hit is None:
+            compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
+            if isinstance(compiled, triton.compiler.CompiledKernel):
+                names = [p.name for p in kernel.params]
+                tail = names[len(tensors) + len(scalars):]
+                if len(cache) >= MAX_ENTRIES - 1:
+                    cache.clear()
+                cache[key] = cache[general_key] = (*_direct(compiled), tuple(constexprs[n] for n in tail))
+            return
+        if len(cache) >= MAX_ENTRIES:
+            cache.clear()
+        cache[key] = hit
+    run, function, head, tail = hit
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-    compiled.run(g0, g1, g2, current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *tensors, *scalars, *tail)
+    run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head, *tensors, *scalars, *tail)
+
+
+def _direct(compiled) -> tuple:
+    """(run, function, head): compiled's launch is run(grid x, y, z, stream, function, *head,
+    *arguments). Triton's launcher object wraps its C launch function in Python that allocates the
+    kernel's global and profile scratch; a kernel that needs neither is launched by the C function
+    itself, with the launcher's flags and no scratch, which is what the wrapper passes it."""
+    launcher = compiled.run  # loads the binary if that has not happened yet
+    hooks = (compiled.packed_metadata, None, None, None)  # launch metadata, enter and exit hooks: none
+    if getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0 \
+            and callable(getattr(launcher, "launch", None)):
+        return launcher.launch, compiled.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                                                    *hooks)
+    return launcher, compiled.function, hooks
 
 
 _fixed_ids: dict = {}  # the fixed part of a Prepared launch's key -> a small int standing for it
 _next_fixed_id = itertools.count()
+
+
+def _fixed_id(fixed: tuple) -> int:
+    """The small int that stands for `fixed` in the keys of Prepared launches."""
+    n = _fixed_ids.get(fixed)
+    if n is None:
+        if len(_fixed_ids) >= MAX_ENTRIES:
+            _fixed_ids.clear()  # ids are never reused: keys of the dropped ones just stop hitting
+        n = _fixed_ids[fixed] = next(_next_fixed_id)
+    return n
 
 
 class Prepared:
@@ -108,29 +148,38 @@ class Prepared:
     kernel) is hashed once, when the launch is prepared, and stands in the key as one int: a call
     hashes only its own arguments (building and hashing launch()'s whole key cost ~6 us per call
     on a CPU where the rest of a decoding call's host path costs ~10). Two launches prepared with
-    equal fixed parts share the int, so they share compiled kernels. The fixed tensors are keyed
-    once: their addresses must not change (nothing flashtile holds is resized in place).
+    equal fixed parts share the int, so they share compiled kernels; so do, through the key by
+    specialisation, two whose fixed scalars differ only in value (the plans of successive steps
+    over a growing cache). The fixed tensors are keyed once: their addresses must not change
+    (nothing flashtile holds is resized in place).
     """
 
     def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
                  launch_pdl: bool = False, **constexprs):
         self.kernel, self.grid, self.tensors, self.scalars, self.constexprs = kernel, grid, tensors, scalars, constexprs
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
-        fixed = (num_warps, num_stages, launch_pdl, scalars, tuple(constexprs.items()),
-                 tuple(map(_tensor_key, tensors)))
-        self._id = _fixed_ids.get(fixed)
-        if self._id is None:
-            if len(_fixed_ids) >= MAX_ENTRIES:
-                _fixed_ids.clear()  # ids are never reused: keys of the dropped ones just stop hitting
-            self._id = _fixed_ids[fixed] = next(_next_fixed_id)
+        self._rest = (num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
+        self._id = _fixed_id((scalars, *self._rest))
+        self._class_id = None  # the fixed part by specialisation, at the first call that needs it
 
-    def __call__(self, tensors: tuple, scalars: tuple) -> None:
+    def __call__(self, tensors: tuple, scalars: tuple, stream=None, key=None) -> None:
+        """Launch with these leading tensors and scalars. stream: the current CUDA stream of their
+        device, when the caller has looked it up already; key: the leading tensors' part of the
+        cache key, when the caller builds it for less (it must tell apart every dtype and 16-byte
+        alignment they can have), else each tensor's dtype and alignment."""
         every = tensors + self.tensors
         hooks = triton.knobs.runtime
         if not every[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
             self.kernel[self.grid](*every, *scalars, *self.scalars, **self.constexprs, **self.options)
             return
         device = every[0].get_device()
-        key = (self._id, device, scalars, tuple(map(_tensor_key, tensors)))
-        _cached_launch(self.kernel, key, self.grid, every, scalars + self.scalars, self.constexprs, self.options,
-                       device)
+        if key is None:
+            key = tuple(map(_tensor_key, tensors))
+        _cached_launch(self.kernel, (self._id, device, scalars, key), self.grid, every, scalars + self.scalars,
+                       self.constexprs, self.options, device, stream,
+                       general=lambda: ("class", self._general_id(), device, _scalar_classes(scalars), key))
+
+    def _general_id(self) -> int:
+        if self._class_id is None:
+            self._class_id = _fixed_id(("class", _scalar_classes(self.scalars), *self._rest))
+        return self._class_id

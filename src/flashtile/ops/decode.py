@@ -463,9 +463,8 @@ class DecodeLaunch(NamedTuple):
     split: Optional[Prepared]  # called with (q, k_cache, v_cache, out, lse) and the first three's strides
     combine: Optional[Prepared]  # None with one split, or with the combine fused into the split kernel
     fused: bool  # the split kernel's last program per row merges the splits (arrival counters)
-    partials: Optional[tuple]  # the plan's own (out_partial, lse_partial), or None: one per call
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
-    arrivals: dict  # fused: CUDA stream -> that stream's zeroed int32 counters, one per split row
+    scratch: dict  # CUDA stream (None on CPU) -> (out_partial, lse_partial, arrivals or None) of its calls
     unread: dict  # "lse" -> where calls that do not return the LSE let the kernels write it
     has_sink: bool  # the calls pass an attention sink (h,)
 
@@ -483,7 +482,7 @@ def _stride0(t) -> int:
 
 def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seqlen_new, cache_seqlens,
          cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
-         softmax_scale, window, softcap, num_splits, max_keys, own_partials, has_sink=False) -> DecodeLaunch:
+         softmax_scale, window, softcap, num_splits, max_keys, has_sink=False) -> DecodeLaunch:
     """The launches of a checked decoding call: new k/v appended, then split-KV attention of q over
     the cache, then the merge of the splits.
 
@@ -493,9 +492,9 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     cache_batch_idx / cache_leftpad (b,) int32; rotary_cos/sin (seqlen_ro, rotary_dim / 2) rotate
     k and q; window = (left, right), -1 unbounded. Index tensors are read through their strides.
     num_splits = 0 asks configs.decode_num_splits, given max_keys (the longest key range known on
-    the host, else None: the capacity). own_partials: allocate the split partials now, shared by
-    every call of the plan (the calls must then run in order on one stream, as a model's layers
-    do); otherwise each call allocates its own. has_sink: every call passes an attention sink.
+    the host, else None: the capacity). has_sink: every call passes an attention sink.
+    With splits, the calls of a plan on one CUDA stream share the split partials (and the fused
+    merge's counters), allocated at its first call there: a stream runs its calls in order.
     """
     group = h // hk
     left, right = window
@@ -533,16 +532,13 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     o_numel = num_splits * b * sq * h * d
     lse_offset = cdiv(o_numel, 4) * 4
     sizes = (lse_offset + num_splits * b * h * sq, lse_offset)
-    partials = combine = None
+    combine = None
     fused = num_splits > 1 and configs.decode_fuse_combine(num_splits)
     if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
         o_strides, l_strides = (0, *out_strides), (0, *lse_strides)
     else:
         o_strides = (b * sq * h * d, *out_strides)
         l_strides = (b * h * sq, *lse_strides)
-        if own_partials:
-            buf = torch.empty(sizes[0], dtype=torch.float32, device=device)
-            partials = (buf, buf[lse_offset:])
         # rows (b, sq, h); the lse partials are (S, b, h, sq) and lse is (b, h, sq): their row
         # strides are given in (b, sq, h) order
         (ps, pb, pm, ph, pd), (qs, qb, qh, qm) = o_strides, l_strides
@@ -565,8 +561,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
             HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
             MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, **flags)
-    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, partials, sizes, {}, {},
-                        has_sink)
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, sizes, {}, {}, has_sink)
 
 
 def append_kv(p: DecodeLaunch, k, v, k_cache, v_cache) -> None:
@@ -575,16 +570,17 @@ def append_kv(p: DecodeLaunch, k, v, k_cache, v_cache) -> None:
         p.append((k, v, k_cache, v_cache), (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()))
 
 
-def _arrivals(p: DecodeLaunch, device) -> torch.Tensor:
-    """The fused merge's arrival counters for the current stream: zeroed once, when a stream first
-    runs the plan, and left zeroed by every launch, so launches on one stream may share them and
-    launches on different streams never do."""
-    stream = current_stream(device.index) if device.type == "cuda" else None
-    counters = p.arrivals.get(stream)
-    if counters is None:
-        counters = torch.zeros(p.out_shape[0] * p.split.grid[1], dtype=torch.int32, device=device)
-        p.arrivals[stream] = counters
-    return counters
+def _scratch(p: DecodeLaunch, device, stream) -> tuple:
+    """(out_partial, lse_partial, arrivals) of the calls on `stream`: one fp32 buffer for the
+    partials, and for the fused merge int32 arrival counters, zeroed once and left zeroed by every
+    launch (else None). Calls on one stream run in order, so they may share these; calls on
+    different streams never do."""
+    scratch = p.scratch.get(stream)
+    if scratch is None:
+        buf = torch.empty(p.partial_sizes[0], dtype=torch.float32, device=device)
+        arrivals = torch.zeros(p.out_shape[0] * p.split.grid[1], dtype=torch.int32, device=device) if p.fused else None
+        scratch = p.scratch[stream] = (buf, buf[p.partial_sizes[1]:], arrivals)
+    return scratch
 
 
 def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True, sink=None):
@@ -604,15 +600,18 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True
             lse = p.unread["lse"] = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
     if p.split is None:
         return out, lse if want_lse else None
+    stream = current_stream(q.get_device()) if q.is_cuda else None
     if p.num_splits == 1:
-        o_buf, l_buf = out, lse
-    elif p.partials is not None:
-        o_buf, l_buf = p.partials
+        o_buf, l_buf, arrivals = out, lse, None
     else:
-        o_buf = torch.empty(p.partial_sizes[0], dtype=torch.float32, device=device)
-        l_buf = o_buf[p.partial_sizes[1]:]
-    finals = (out, lse, _arrivals(p, device)) if p.fused else (None, None, None)
-    p.split((q, k_cache, v_cache, o_buf, l_buf, *finals, sink), (*q.stride(), *k_cache.stride(), *v_cache.stride()))
+        o_buf, l_buf, arrivals = _scratch(p, device, stream)
+    finals = (out, lse, arrivals) if p.fused else (None, None, None)
+    # the launch key of the call's tensors: q, k_cache and v_cache share q's dtype (checked by
+    # DecodePlan.run); the outputs and buffers are allocated here, 16-byte aligned
+    key = (q.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
+           None if sink is None else (sink.dtype, sink.data_ptr() % 16 == 0))
+    p.split((q, k_cache, v_cache, o_buf, l_buf, *finals, sink), (*q.stride(), *k_cache.stride(), *v_cache.stride()),
+            stream, key)
     if p.combine is not None:
-        p.combine((o_buf, l_buf, out, lse, sink), ())
+        p.combine((o_buf, l_buf, out, lse, sink), (), stream)
     return out, lse if want_lse else None
