@@ -31,7 +31,10 @@ def test_one_rank_nccl_is_one_call(tmp_path):
             out, lse, _ = fn(*leaves, causal=True, window_size=(300, 0), return_attn_probs=True)
             results.append([out, lse, *torch.autograd.grad(out, leaves, dout)])
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
-            assert torch.equal(a, b), name
+            if name == "dq":  # the Hopper backward's TMA reductions add dQ in whatever order programs finish
+                torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-2)
+            else:
+                assert torch.equal(a, b), name
     finally:
         dist.destroy_process_group()
 
