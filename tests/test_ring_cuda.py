@@ -3,6 +3,7 @@ schedule on one GPU (bench ring's code path) against one kernel call, and with t
 NCCL ring (P2P on the side stream) against the float64 oracle."""
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -66,6 +67,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def two_gpus(tmp_path_factory):
+    # NVLink multicast (NVLS) off, as the GPU machines need: the spawned ranks inherit these
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
     out = tmp_path_factory.mktemp("ring_nccl")
     mp.spawn(worker, (2, str(out / "init"), CASES, str(out), False, "cuda"), nprocs=2)
     return {name: [torch.load(out / f"{name}-{r}.pt") for r in range(2)] for name in CASES}
