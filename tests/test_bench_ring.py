@@ -60,3 +60,20 @@ def test_a_wrong_schedule_is_not_timed(tmp_path, monkeypatch):
     monkeypatch.setattr(ring, "forward_step", lambda r, step, *a: None if step == 1 else real(r, step, *a))
     with pytest.raises(AssertionError, match="the schedules' output is"):
         _main(tmp_path, "--tokens", "16", "--worlds", "2", "--no-plot")
+
+
+def test_nccl_mode_needs_the_gpus_and_plots_its_rows(tmp_path, monkeypatch):
+    """--nccl W: refused with a message on a machine with fewer GPUs; ring.json's rows plot (the
+    two-GPU numbers come from the H200 machine: ring_nccl's docstring and the README)."""
+    from flashtile.bench import ring_nccl
+
+    monkeypatch.setattr(ring_nccl.torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit, match="--nccl 2 needs 2 GPUs, this machine has 0"):
+        bench.main(["--nccl", "2", "--out", str(tmp_path)])
+    rows = [dict(world_size=2, backend="nccl", total_tokens=t, causal=c, fwd_tflops_per_gpu=500.0 + t / 1024,
+                 single_fwd_tflops=600.0, bwd_tflops_per_gpu=450.0, single_bwd_tflops=520.0, efficiency=0.9)
+            for t in (32768, 65536) for c in (False, True)]
+    with open(tmp_path / "ring.json", "w") as f:
+        json.dump({"env": {"gpu": "test GPU"}, "rows": rows}, f)
+    bench.main(["--nccl", "2", "--out", str(tmp_path), "--plot-only"])
+    assert (tmp_path / "ring.png").stat().st_size > 0

@@ -305,6 +305,18 @@ def _ints(s):
     return [int(x) for x in s.split(",")]
 
 
+def _main_nccl(args, out: str) -> None:
+    """--nccl W: the ring on W GPUs (ring_nccl), rows into out/ring.json and its plot."""
+    from flashtile.bench import ring_nccl
+
+    path = os.path.join(out, "ring.json")
+    if not args.plot_only:
+        harness.write_result(path, ring_nccl.run(args.nccl, args.tokens, [m == "causal" for m in args.masks],
+                                                 args.nheads, args.headdim, args.dtype, args.reps))
+    if not args.no_plot:
+        print(f"wrote {ring_nccl.plot(path, out)}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="flashtile bench ring", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="result folder (default benchmarks/results/<gpu>)")
@@ -321,8 +333,13 @@ def main(argv=None) -> None:
     p.add_argument("--append", action="store_true", help="keep the rows of other shapes already in the file")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="write ring_1gpu.json and ring_1gpu.md only")
+    p.add_argument("--nccl", type=int, default=0, metavar="W",
+                   help="run the ring on W GPUs of this host instead (NCCL; bench/ring_nccl.py): ring.json, ring.png")
     args = p.parse_args(argv)
     out = args.out or os.path.join("benchmarks", "results", harness.gpu_slug())
+    if args.nccl:
+        _main_nccl(args, out)
+        return
     path = os.path.join(out, "ring_1gpu.json")
     if not args.plot_only:
         if args.device.startswith("cuda") and not torch.cuda.is_available():
