@@ -126,8 +126,9 @@ def pieces(context: int, say) -> None:
                 times[name].append(wall_us(fn, 2000, warmup=100))
         for name, ts in times.items():
             say(f"  {name:52s} min {min(ts):6.1f}  " + " ".join(f"{t:6.1f}" for t in ts))
-        for name, fn in (("flashtile attention_forward", lambda: attention_forward(
-                module, query, key, value, None, scaling=0.125, **extra)), ("a new plan and its first run", new_plan_and_run)):
+        profiled = {"flashtile attention_forward": lambda: attention_forward(
+            module, query, key, value, None, scaling=0.125, **extra), "a new plan and its first run": new_plan_and_run}
+        for name, fn in profiled.items():
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(1000):
@@ -185,9 +186,11 @@ def main(argv=None) -> int:
                     others.append(statistics.median(t for step in steps for t in step[1:]) * 1e6)
                     per_step.append(statistics.median(sum(step) for step in steps) * 1e3)
                 name = attn if attn == "flashtile" else "sdpa-flash"
-                say(f"round {round_} {name:10s}: ms/step {' '.join(f'{t:.2f}' for t in blocks)}; attention ms/step "
-                    f"{' '.join(f'{t:.2f}' for t in per_step)}; first layer's call us {' '.join(f'{t:.0f}' for t in first)},"
-                    f" the others' {' '.join(f'{t:.0f}' for t in others)} (medians)")
+                def cols(values, digits):
+                    return " ".join(f"{t:.{digits}f}" for t in values)
+
+                say(f"round {round_} {name:10s}: ms/step {cols(blocks, 2)}; attention ms/step {cols(per_step, 2)}; "
+                    f"first layer's call us {cols(first, 0)}, the others' {cols(others, 0)} (medians)")
                 if round_ == 1 and args.trace:
                     from torch.profiler import ProfilerActivity, profile as trace
 

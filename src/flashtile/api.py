@@ -417,11 +417,12 @@ class DecodePlan:
     runs them in order; a model's layers are); runs on different streams have their own. float32
     dots follow torch.backends.cuda.matmul.allow_tf32 as it was at planning. run() reads nothing on
     the host, so it can be captured in a CUDA graph (a first run on the capture stream allocates
-    from the graph's pool); keep the plan alive as long as the graph. Index values changed after planning (in place, or under capture,
-    where nothing is checked) are not checked: the kernels then clamp every index into the tensors
-    it addresses - new rows at positions outside the cache, on a page index outside k_cache, or for
-    a cache_batch_idx outside k_cache are not written; a row reads only cache positions in [0,
-    capacity), skipping pages outside k_cache; rotary positions outside the tables are not rotated.
+    from the graph's pool); keep the plan alive as long as the graph. Index values changed after
+    planning (in place, or under capture, where nothing is checked) are not checked: the kernels
+    then clamp every index into the tensors it addresses - new rows at positions outside the
+    cache, on a page index outside k_cache, or for a cache_batch_idx outside k_cache are not
+    written; a row reads only cache positions in [0, capacity), skipping pages outside k_cache;
+    rotary positions outside the tables are not rotated.
     The outputs of such rows mean nothing, but nothing outside the given tensors is read or written.
     """
 
