@@ -100,3 +100,25 @@ def sink_logits(h, sk, device):
     """Sink logits (h,) fp32 around log(sk), where a row's LSE of random scores lies: each sink then
     holds a real share of its rows' softmax (from ~5% to ~95%)."""
     return torch.randn(h, device=device) * 1.5 + math.log(max(sk, 1))
+
+
+def check_dq_accumulates(b, sq, sk, h, hk, d, dtype, device, causal=True, **backward_kw):
+    """attention_backward(accumulate_dq=True) into rows [3, 3 + sq) of a float32 buffer of sq + 5
+    rows holding random values: those rows end as their start + the plain call's dQ / scale (to
+    dQ's rounding), the other rows untouched, dK and dV equal to the plain call's (ring attention
+    sums its pieces' dQ so)."""
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device)
+    dout = torch.randn_like(q)
+    scale, window = d ** -0.5, (None, 0 if causal else None)
+    out, lse = attention_forward(q, k, v, scale, window)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, scale, window, **backward_kw)
+    start = torch.randn(b, sq + 5, h, d, device=device)
+    buf = start.clone()
+    rows = buf[:, 3:3 + sq]
+    got = attention_backward(dout, q, k, v, out, lse, scale, window, dq=rows, accumulate_dq=True, **backward_kw)
+    assert got[0] is rows
+    assert torch.equal(got[1], dk) and torch.equal(got[2], dv)
+    assert torch.equal(buf[:, :3], start[:, :3]) and torch.equal(buf[:, 3 + sq:], start[:, 3 + sq:])
+    expected = start[:, 3:3 + sq] + dq.float() / scale
+    err = float((rows - expected).abs().max())
+    assert err <= 4 * torch.finfo(dtype).eps * float(dq.float().abs().max()) / scale, err

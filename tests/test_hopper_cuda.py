@@ -3,15 +3,15 @@ grid against the float64 oracle with the 2x rule, forced on for every case (the 
 d=64 below 4k keys, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and
 the ones it leaves to the Triton kernel, and CUDA-graph replay; its determinism under 50 reruns is
 test_prefill_cuda's test_backward_is_reproducible (d=128 takes this kernel there). The backward
-(ops.backward._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, reruns and
-CUDA-graph replay."""
+(ops.backward._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, dQ added
+into the caller's buffer, reruns and CUDA-graph replay."""
 
 import pytest
 import torch
 
 from flashtile.bench.harness import capture
 from flashtile.ops import backward, configs, forward
-from prefill_check import check_prefill, make_qkv
+from prefill_check import check_dq_accumulates, check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
 
@@ -168,6 +168,14 @@ def test_backward_long(hopper_backward_launches):
     """16k keys (one head pair): the oracle in float64 still fits; 2x rule."""
     check_prefill(1, 4096, 16384, 2, 1, 128, torch.bfloat16, "cuda", causal=True)
     assert hopper_backward_launches
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal):
+    """accumulate_dq (ring attention's dQ sum): the kernel's reduce-adds, scaled, go into the
+    caller's float32 rows (a view of a longer buffer) instead of a buffer of its own."""
+    check_dq_accumulates(2, 700, 900, 8, 2, 128, torch.bfloat16, "cuda", causal=causal)
+    assert len(hopper_backward_launches) == 2
 
 
 def _grads(q, k, v, dout, window, **kw):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashtile.ops import configs
-from prefill_check import check_prefill
+from prefill_check import check_dq_accumulates, check_prefill
 
 pytestmark = pytest.mark.interpret
 
@@ -57,3 +57,19 @@ def test_backward_launch_modes(monkeypatch, fused, causal, tma):
     monkeypatch.setattr(configs, "backward_config", lambda *args: cfg)
     check_prefill(2, 37, 75, 4, 2, 40, torch.float16, "cpu", causal=causal)
     check_prefill(3, 70, 33, 3, 1, 64, torch.float32, "cpu", causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_adds_dq_into_a_float32_buffer(causal, dtype):
+    check_dq_accumulates(2, 37, 53, 4, 2, 40, dtype, "cpu", causal=causal)
+
+
+def test_accumulate_dq_needs_a_float32_buffer_shaped_like_q():
+    from flashtile.ops.backward import attention_backward
+
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"accumulate_dq needs dq: a float32 tensor shaped like q \(1, 8, 2, 16\), "
+                                         r"got \(torch.float16"):
+        attention_backward(q, q, q, q, q, torch.zeros(1, 2, 8), 0.25, (None, None), dq=q.half(),
+                           accumulate_dq=True)

@@ -86,9 +86,11 @@ def sink_grad(sink, lse, delta):
 
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap,
                    alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   seqused_k, backend, sink=None, deterministic=False):
+                   seqused_k, backend, sink=None, deterministic=False, dq_acc=None):
     """(dq, dk, dv, dsink): dsink None without a sink. deterministic: bitwise reproducible
-    gradients (ops.backward.attention_backward; the reference path always is)."""
+    gradients (ops.backward.attention_backward; the reference path always is). dq_acc: a float32
+    tensor shaped like q that dQ / softmax_scale is added into (then dq is dq_acc), as ring
+    attention sums its pieces' (attention_backward's accumulate_dq)."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, None)
     dropout = (dropout_p, rng) if dropout_p > 0 else None
     delta = None
@@ -97,8 +99,8 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_r
 
         delta = None if sink is None else torch.empty_like(lse)
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right),
-                                        softcap, alibi_slopes, varlen=varlen, dropout=dropout, delta=delta,
-                                        deterministic=deterministic)
+                                        softcap, alibi_slopes, dq=dq_acc, varlen=varlen, dropout=dropout, delta=delta,
+                                        deterministic=deterministic, accumulate_dq=dq_acc is not None)
     else:
         window = _window(window_left, window_right)
         if varlen is not None:
@@ -114,6 +116,8 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_r
             dq, dk, dv = fa2.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window,
                                       softcap=softcap, alibi_slopes=alibi_slopes, dropout=mask)
             dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if dq_acc is not None:
+            dq = dq_acc.add_(dq, alpha=1 / softmax_scale)
         if sink is not None:
             delta = by_head(dout.float() * out.float()).sum(-1)  # rowsum(dO * O), shaped like lse
     return dq, dk, dv, None if sink is None else sink_grad(sink, lse, delta)

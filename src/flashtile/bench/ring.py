@@ -108,6 +108,8 @@ class Schedule:
         # one per rank, kept: its stand-in dK/dV partials are allocated once, not in every timed call
         self.transports = [comm.SimulatedRing(r, self.kv) for r in range(world)]
         self.outs = [None] * world
+        # where kernels_backward's kernels add their dQ (the ring's float32 accumulator of a rank)
+        self.dq_sink = torch.zeros(self.q[0].shape, dtype=torch.float32, device=problem.q.device)
 
     def forward(self, r: int) -> None:
         """Rank r's forward as ring_flash_attn_func runs it: the loop, then the cast to q's dtype."""
@@ -129,12 +131,13 @@ class Schedule:
                 ring.attend(rg, step, call, self.q[r], *self.kv[(r - step) % self.world])
 
     def kernels_backward(self, r: int) -> None:
-        """Rank r's backward kernel calls alone: the same pieces, nothing accumulated."""
+        """Rank r's backward kernel calls alone: the same pieces, dK/dV not accumulated (dQ is added
+        by the kernels themselves, into dq_sink)."""
         rg = self.rings[r]
         for step, calls in enumerate(rg.steps):
             for call in calls:
                 ring.attend_backward(rg, step, call, self.dout[r], self.q[r], *self.kv[(r - step) % self.world],
-                                     *self.outs[r])
+                                     *self.outs[r], self.dq_sink)
 
     def rank_flops(self, r: int) -> float:
         """Forward FLOPs of rank r: 4 d h per (query, key) pair its pieces see."""

@@ -18,10 +18,12 @@ An attention sink (one logit t_h per head, gpt-oss) joins after the last step, o
 state with O = 0 and L = t_h. The backward runs the ring again; each piece's kernels recompute P
 from the *final* L (the global softmax, sink included) and take delta = rowsum(dO * O) of the
 final O, so their dQ, dK, dV are exactly that block's share of the gradient (as flash-attn's ring
-implementations do): dQ accumulates on the rank; dK/dV of the held shard accumulate in float32
-buffers that travel with it, one hop behind the K/V, and arrive at the owner after the last step.
-float32 because each hop adds to them, and bf16 would round at every hop (the price: dK/dV
-travel with twice the bytes of bf16 K/V).
+implementations do): dQ accumulates on the rank in float32, added there by the kernels themselves
+and unscaled (attention_backward's accumulate_dq: no dQ buffer per piece, no pass to add it;
+the sum is scaled once at the end); dK/dV of the
+held shard accumulate in float32 buffers that travel with it, one hop behind the K/V, and arrive
+at the owner after the last step. float32 because each hop adds to them, and bf16 would round at
+every hop (the price: dK/dV travel with twice the bytes of bf16 K/V).
 
 ring.py holds the loops and the per-step helpers (`forward_step`, `backward_step`), shared by the
 distributed functions and by the one-GPU simulation of `flashtile bench ring` (comm.SimulatedRing
@@ -175,14 +177,17 @@ def attend(ring: Ring, step: int, call: Call, q, k, v):
     return (out, lse) if call.varlen is None else (out[None], lse[None])
 
 
-def attend_backward(ring: Ring, step: int, call: Call, dout, q, k, v, out, lse):
-    """One piece's backward kernels, P recomputed from the final lse: (dq, dk, dv) of its rows and keys."""
+def attend_backward(ring: Ring, step: int, call: Call, dout, q, k, v, out, lse, dq):
+    """One piece's backward kernels, P recomputed from the final lse: its rows' dQ / scale added
+    into dq (float32, by the kernels), (dk, dv) of its keys returned."""
     r = call.q
     # the kernels read the LSE as the forward writes it, (b, h, n) contiguous: a slice of rows is copied
-    args = _squeeze(call, dout[:, r], q[:, r], k[:, call.k], v[:, call.k], out[:, r], lse[:, :, r].contiguous())
-    # [:3]: the sink's gradient (the 4th value) is taken once for the whole ring, in _RingAttention
+    *args, dq_rows = _squeeze(call, dout[:, r], q[:, r], k[:, call.k], v[:, call.k], out[:, r],
+                              lse[:, :, r].contiguous(), dq[:, r])
+    # [1:3]: dq is dq_rows; the sink's gradient (the 4th value) is taken once for the whole ring
     grads = autograd._backward_impl(*args, ring.scale, call.left, call.right, ring.softcap, None, ring.dropout_p,
-                                    ring.rng(step, call), *(call.varlen or _NO_VARLEN), None, ring.backend)[:3]
+                                    ring.rng(step, call), *(call.varlen or _NO_VARLEN), None, ring.backend,
+                                    dq_acc=dq_rows)[1:3]
     return grads if call.varlen is None else tuple(g[None] for g in grads)
 
 
@@ -207,10 +212,9 @@ def forward_step(ring: Ring, step: int, q, k, v, out, lse) -> None:
 
 
 def backward_step(ring: Ring, step: int, dout, q, k, v, out, lse, dq, dkv) -> None:
-    """Every piece of `step`: dQ added into dq, dK/dV of the held shard into dkv (float32)."""
+    """Every piece of `step`: dQ / scale added into dq, dK/dV of the held shard into dkv (float32)."""
     for call in ring.steps[step]:
-        dq_p, dk_p, dv_p = attend_backward(ring, step, call, dout, q, k, v, out, lse)
-        dq[:, call.q] += dq_p
+        dk_p, dv_p = attend_backward(ring, step, call, dout, q, k, v, out, lse, dq)
         dkv[0][:, call.k] += dk_p
         dkv[1][:, call.k] += dv_p
 
@@ -244,12 +248,12 @@ def backward_pass(ring: Ring, dout, q, k, v, out, lse, transport):
             for mine, theirs in zip(dkv, transport.wait(partial)):
                 mine += theirs
         if ring.world == 1:
-            return dq, *dkv
+            return dq.mul_(ring.scale), *dkv
         partial = transport.start(dkv, "dkv", step + 1)
         if pending is not None:
             kv = transport.wait(pending)
     dk, dv = transport.wait(partial)  # after world hops, this rank's own shard, complete
-    return dq, dk, dv
+    return dq.mul_(ring.scale), dk, dv
 
 
 class _RingAttention(torch.autograd.Function):

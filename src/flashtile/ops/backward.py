@@ -276,9 +276,10 @@ def _dq_program(
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WRITE_DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    WRITE_DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr,
 ):
-    """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk).
+    """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk); DQ_ADD: dQ /
+    softmax_scale added into dQ (float32) instead.
 
     sq, sk: this sequence's rows and keys, which start at rows q_start / k_start of the tensors.
     WRITE_DELTA: these rows' delta = rowsum(dO * O) is computed here (from the dO tile the program
@@ -340,10 +341,13 @@ def _dq_program(
                       BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                       DOT_PRECISION, HAS_DROPOUT)
 
-    dq = dq * softmax_scale
-    tl.store(dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-             + rows * stride_dqm + offs_d[None, :] * stride_dqd,
-             dq.to(dQ.dtype.element_ty), mask=row_mask)
+    dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqm \
+        + offs_d[None, :] * stride_dqd
+    if DQ_ADD:  # unscaled, into the caller's sum; the program owns these rows: no other adds to them
+        dq += tl.load(dq_ptrs, mask=row_mask, other=0.0)
+    else:
+        dq = dq * softmax_scale
+    tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "left", "right", "threshold", "head_dim",
@@ -367,7 +371,7 @@ def _bwd_kernel(
     DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr, WRITE_DELTA: tl.constexpr,
     PDL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr,
 ):
     """Grid of n_programs x (batch x kv heads) in the order of ops._common.head_chunked_order. With
     DKDV the first cdiv(sk, BLOCK_N1) programs of a head are dK/dV programs (BLOCK_N1 keys,
@@ -375,7 +379,8 @@ def _bwd_kernel(
     rows, BLOCK_N2 keys per step) of the group's query heads (sq, sk: the longest sequence's with
     IS_VARLEN). WRITE_DELTA (a dQ launch): the dQ programs compute delta and store it for the dK/dV
     launch after them. PDL: a dQ launch lets the next launch start as its last programs run; a
-    dK/dV launch waits for the previous one's writes (gdc_wait) only after loading K and V."""
+    dK/dV launch waits for the previous one's writes (gdc_wait) only after loading K and V.
+    DQ_ADD: the dQ programs add dQ / softmax_scale into dQ (float32) instead of storing dQ."""
     pid, bhk = head_chunked_order(n_programs, batch * nheads_k, HEAD_CHUNK)
     b = bhk // nheads_k
     hk = bhk % nheads_k
@@ -422,7 +427,7 @@ def _bwd_kernel(
             stride_slope_h, nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed,
             threshold, dropout_scale, head_dim,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
-            DQ_TMA, DOT_PRECISION, WRITE_DELTA, IS_VARLEN, HAS_DROPOUT)
+            DQ_TMA, DOT_PRECISION, WRITE_DELTA, IS_VARLEN, HAS_DROPOUT, DQ_ADD)
 
 
 def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:
@@ -438,7 +443,7 @@ def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
                        softcap: float = 0.0, alibi_slopes=None, dq=None, dk=None, dv=None, varlen=None,
-                       dropout=None, delta=None, deterministic: bool = False):
+                       dropout=None, delta=None, deterministic: bool = False, accumulate_dq: bool = False):
     """Launch the backward. Shapes and varlen / dropout as ops.forward.attention_forward (varlen
     without block_table); lse as it returned.
 
@@ -449,7 +454,13 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     deterministic: bitwise reproducible gradients (the Triton programs, dQ without atomics);
     otherwise the Hopper kernel takes the calls it supports (configs.hopper_backward_config), and
     its dQ sums the key blocks in an order that varies from run to run (as flash-attn's).
+    accumulate_dq: dq is a float32 tensor shaped like q, and the call adds dQ / softmax_scale into
+    it: the sum the Hopper kernel keeps anyway, left unscaled (ring attention sums the dQ of a
+    shard's pieces so, without a buffer per piece, and scales the sum once).
     """
+    if accumulate_dq and (dq is None or dq.dtype != torch.float32 or dq.shape != q.shape):
+        raise ValueError(f"accumulate_dq needs dq: a float32 tensor shaped like q {tuple(q.shape)}, got "
+                         f"{None if dq is None else (dq.dtype, tuple(dq.shape))}")
     if varlen is not None and varlen.block_table is not None:
         raise ValueError("the backward reads contiguous k/v: gather the pages first (the API does)")
     h, d = q.shape[-2:]
@@ -475,8 +486,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 
     hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq)
     if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen,
-                                               dropout):
-        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right)
+                                               dropout) and (not accumulate_dq or tma_ok(dq)):
+        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -503,7 +514,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
                  HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
                  EVEN_D=d == block_d, DKDV_TMA=dkdv_descs[0] is not None, DQ_TMA=dq_descs[0] is not None,
                  DOT_PRECISION=dot_precision(q.dtype), IS_VARLEN=vl_flags["IS_VARLEN"],
-                 HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_DROPOUT=has_dropout)
+                 HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_DROPOUT=has_dropout, DQ_ADD=accumulate_dq)
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
 
@@ -736,8 +747,9 @@ def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes
     return all(map(tma_ok, (q, k, v, dout, dk, dv)))
 
 
-def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right):
-    """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq.
+def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq):
+    """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
+    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -749,7 +761,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True)
     if delta is not None:  # the caller's copy, shaped like lse
         delta.copy_(stats[1].view(b, h, rows_pad)[..., :sq])
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
     half_n = cfg.block_n // 2
     _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), b * hk)](
@@ -759,4 +771,5 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
         h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
-    torch.mul(dq_acc, softmax_scale, out=dq)
+    if not accumulate_dq:
+        torch.mul(dq_acc, softmax_scale, out=dq)
