@@ -1,11 +1,17 @@
 """`flashtile bench ring` on the CPU with tiny shapes: the simulated schedules run through the ring's
 own loops on the reference path, their output checked against one call, the rows' bookkeeping
-(per-rank FLOPs from the plan, efficiencies), --append, the plot and the table. The GPU numbers
-come from the H100 (the module's docstring has the command)."""
+(per-rank FLOPs from the plan, efficiencies), --append, the plot and the table; of --nccl, the
+refusal without GPUs, the plot (with torch's context-parallel rows) and --long's check of sampled
+rows against float64 (two gloo ranks). The GPU numbers come from the H100 and 2 x H200 (the
+modules' docstrings have the commands)."""
 
 import json
+import tempfile
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import flashtile
 from flashtile.bench import ring as bench
@@ -70,10 +76,47 @@ def test_nccl_mode_needs_the_gpus_and_plots_its_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(ring_nccl.torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit, match="--nccl 2 needs 2 GPUs, this machine has 0"):
         bench.main(["--nccl", "2", "--out", str(tmp_path)])
-    rows = [dict(world_size=2, backend="nccl", total_tokens=t, causal=c, fwd_tflops_per_gpu=500.0 + t / 1024,
-                 single_fwd_tflops=600.0, bwd_tflops_per_gpu=450.0, single_bwd_tflops=520.0, efficiency=0.9)
-            for t in (32768, 65536) for c in (False, True)]
+    rows = [dict(impl=impl, world_size=2, backend="nccl", total_tokens=t, causal=c,
+                 fwd_tflops_per_gpu=500.0 + t / 1024, single_fwd_tflops=600.0, bwd_tflops_per_gpu=450.0,
+                 single_bwd_tflops=520.0, efficiency=0.9)
+            for t in (32768, 65536) for c in (False, True) for impl in ("flashtile", "torch_cp")]
     with open(tmp_path / "ring.json", "w") as f:
         json.dump({"env": {"gpu": "test GPU"}, "rows": rows}, f)
     bench.main(["--nccl", "2", "--out", str(tmp_path), "--plot-only"])
     assert (tmp_path / "ring.png").stat().st_size > 0
+
+
+def _check_rows_rank(rank, world, init, out):
+    """One rank of the --long check on the CPU: the ring (reference path, fp16, causal GQA) on
+    zigzag shards, its sampled rows checked; then one of them made wrong in dQ."""
+    from flashtile.bench import ring_nccl
+    from flashtile.distributed import ring_flash_attn_func, shard_sequence
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        full = [torch.randn(1, 256, h, 16, generator=gen).half() for h in (4, 2, 2, 4)]
+        q, k, v, dout = (shard_sequence(t, rank, world, layout="zigzag") for t in full)
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        with flashtile.use_backend("reference"):
+            o, lse, _ = ring_flash_attn_func(q, k, v, causal=True, layout="zigzag", return_attn_probs=True)
+            o.backward(dout)
+        rows = torch.tensor([0, 1, 32, 63, 64, 96, 126, 127])
+        result = {"right": ring_nccl._check_rows(q, k, v, dout, o.detach(), lse, rank, world, rows)}
+        q.grad[0, 127, 0, 0] += 0.25
+        result["wrong"] = ring_nccl._check_rows(q, k, v, dout, o.detach(), lse, rank, world, rows)
+        torch.save(result, f"{out}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_long_checks_rows_against_float64():
+    """--long's check: out, LSE and dQ of sampled rows within the 2x rule of the baseline (the
+    same rows in fp16, as reference.naive computes), and a wrong dQ element is seen."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_check_rows_rank, (2, f"{tmp}/init", f"{tmp}/errs"), nprocs=2)
+        results = [torch.load(f"{tmp}/errs-{r}.pt") for r in range(2)]
+    for result in results:
+        for name, (err, base) in result["right"].items():
+            assert 0 < base and err <= 2 * base + 1e-5, (name, err, base)
+        assert result["wrong"]["dq"][0] >= 0.2 > 2 * result["wrong"]["dq"][1]

@@ -309,13 +309,20 @@ def _ints(s):
 
 
 def _main_nccl(args, out: str) -> None:
-    """--nccl W: the ring on W GPUs (ring_nccl), rows into out/ring.json and its plot."""
+    """--nccl W: the ring on W GPUs (ring_nccl), rows into out/ring.json and its plot; with --long
+    the sequence longer than one GPU holds, into out/long.json."""
     from flashtile.bench import ring_nccl
 
+    if args.long:
+        path = os.path.join(out, "long.json")
+        harness.write_result(path, ring_nccl.long_run(args.nccl, args.nheads, args.kv_heads or args.nheads,
+                                                      args.headdim, args.dtype, args.long_tokens))
+        return
     path = os.path.join(out, "ring.json")
     if not args.plot_only:
         harness.write_result(path, ring_nccl.run(args.nccl, args.tokens, [m == "causal" for m in args.masks],
-                                                 args.nheads, args.headdim, args.dtype, args.reps))
+                                                 args.nheads, args.headdim, args.dtype, args.reps,
+                                                 torch_cp=not args.no_torch_cp))
     if not args.no_plot:
         print(f"wrote {ring_nccl.plot(path, out)}")
 
@@ -338,6 +345,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-plot", action="store_true", help="write ring_1gpu.json and ring_1gpu.md only")
     p.add_argument("--nccl", type=int, default=0, metavar="W",
                    help="run the ring on W GPUs of this host instead (NCCL; bench/ring_nccl.py): ring.json, ring.png")
+    p.add_argument("--no-torch-cp", action="store_true", help="--nccl: skip torch's context_parallel rows")
+    p.add_argument("--long", action="store_true",
+                   help="--nccl: one causal training step on a sequence longer than one GPU holds (long.json)")
+    p.add_argument("--kv-heads", type=int, default=0, help="--long: K/V heads (default: --nheads)")
+    p.add_argument("--long-tokens", type=int, default=0,
+                   help="--long: the length (default: the longest that fills 85%% of a GPU by the ring's footprint)")
     args = p.parse_args(argv)
     out = args.out or os.path.join("benchmarks", "results", harness.gpu_slug())
     if args.nccl:
