@@ -144,7 +144,7 @@ def _time_torch_cp(mesh, tokens, causal, h, d, dtype, reps) -> tuple:
     """The same for torch's context parallel: SDPA (FlashAttention-2 backend) inside
     torch.distributed.tensor.experimental.context_parallel, which shards the (b, h, s, d) buffers
     in place (head-tail balanced when causal, its default; its load balancer refuses a full mask,
-    so it is off there) and runs its ring (K/V all-gathered, its default rotate method).
+    so it is off there) and runs its ring (its K/V rotate method left at its default).
 
     The peak leaves out the storage context_parallel keeps of the full-length buffers (it resizes
     them to the shard in place): a model's q, k, v are made from sharded inputs."""
