@@ -255,8 +255,9 @@ def test_decode_cases():
 @pytest.mark.interpret
 def test_decode_rows_agree_on_cpu(tmp_path, monkeypatch):
     """The real implementations on tiny CPU shapes (kernels under the interpreter, timing faked):
-    flashtile, the plan and the paged cache agree with the reference for one query row and for
-    sq = 3 with the bottom-right causal mask, SDPA's CausalBias included; every plot is drawn."""
+    flashtile, the plan, the paged cache and the appending calls agree with the reference for one
+    query row and for sq = 3 with the bottom-right causal mask, SDPA's CausalBias included; every
+    plot is drawn."""
     path = str(tmp_path / "decode.json")
     monkeypatch.setattr(decode, "DEVICE", "cpu")
     monkeypatch.setattr(decode, "ROTATION_BYTES", 1)
@@ -265,14 +266,15 @@ def test_decode_rows_agree_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "wall_us", lambda call, n=50, warmup=0: (call(), 2.0)[1])
     monkeypatch.setattr(harness, "bench_ms", lambda fn, warmup=25, rep=100: (fn(), 0.001)[1])
     monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
-    impls = ["sdpa-gqa", "flashtile", "flashtile-plan", "flashtile-page16"]
+    impls = ["sdpa-gqa", "flashtile", "flashtile-plan", "flashtile-page16", "sdpa-gqa-append", "flashtile-append",
+             "flashtile-page16-append"]
     args = argparse.Namespace(dtype="float32", quick=True, impls=impls, tolerance=1e-4, sq=[3])
     result = decode.run(args, path)
 
     assert result["failed"] == []
     errors = {(r["impl"], r["sq"]): r["max_err_vs_sdpa"] for r in result["rows"] if "max_err_vs_sdpa" in r}
-    assert set(errors) == {("flashtile", 1), ("flashtile-plan", 1), ("flashtile-page16", 1), ("flashtile", 3),
-                           ("flashtile-plan", 3)}
+    assert set(errors) == {("flashtile", 1), ("flashtile-plan", 1), ("flashtile-page16", 1), ("flashtile-append", 1),
+                           ("flashtile-page16-append", 1), ("flashtile", 3), ("flashtile-plan", 3)}
     assert all(0 < e < 1e-4 for e in errors.values())
     assert all("us" in r and "loop_us" in r and "graph_error" in r for r in result["rows"])  # no CUDA graphs
     harness.write_result(path, result)

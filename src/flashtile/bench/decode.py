@@ -11,6 +11,10 @@ at (64, 8192), one new query token per sequence. Implementations, in one process
   flashtile          Flash-Decoding, num_splits from configs.decode_num_splits
   flashtile-plan     the same through a DecodePlan made once per shape (a serving loop's per-layer call)
   flashtile-page16/64  the same cache as pages of 16 / 64 tokens handed out in a random order
+  flashtile-append, flashtile-page16-append, sdpa-gqa-append
+                     a decoding step that also writes the new token's K/V into the cache: the
+                     cache holds context - 1 tokens and flash_attn_with_kvcache(k=, v=) appends
+                     the last one; SDPA's user writes it by slice assignment, then attends
   flashtile-sink     flashtile with an attention sink (learnable_sink, gpt-oss), checked against
                      flashtile's output and LSE without one, the sink folded in by hand
 Then speculative decoding / chunked prefill: SQ query rows per sequence (GQA packing puts sq x 8
@@ -39,6 +43,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 import torch
 
@@ -49,7 +54,8 @@ LLAMA_SHAPE = (64, 8192)
 SQ_SHAPES = ((16, 4096, 16, 2), (64, 8192, 32, 8))  # (batch, context, nheads, nheads_k) of the sq > 1 rows
 SQ = (2, 4, 8, 16)
 IMPLS = ("read-floor", "eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-plan",
-         "flashtile-page16", "flashtile-page64", "flashtile-sink")
+         "flashtile-page16", "flashtile-page64", "flashtile-sink", "sdpa-gqa-append", "flashtile-append",
+         "flashtile-page16-append")
 SQ_IMPLS = ("sdpa-gqa", "flashtile", "flashtile-plan")  # the peers of the sq > 1 rows
 ROTATION_BYTES = 640 * 2**20
 HEADDIM = 128
@@ -146,17 +152,24 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
     check compares fn with the reference on the logical cache behind k, v (_check). The paged rows
     view the same buffers as pages reached through a random page order, so their logical cache is a
     permutation of the buffer, gathered for the check. The sink row is checked against the no-sink
-    call instead. The plan row makes its DecodePlan here, once: the calls time its run alone.
+    call instead. The plan row makes its DecodePlan here, once: the calls time its run alone. The
+    append rows write the new tokens' K/V (k_new, v_new, the same every call) at the cache's last
+    sq positions before attending; they are checked against the reference on the cache as the call
+    left it.
     """
     import flashtile
 
     auto = 0 if num_splits is None else num_splits
     causal = sq > 1
 
-    def flash(splits, page_size=None):
+    k_new, v_new = (torch.randn(batch, sq, hk, HEADDIM, device=DEVICE, dtype=dtype) for _ in range(2))
+    before = seqlens - sq  # the append rows' cache before the call
+
+    def flash(splits, page_size=None, append=False):
+        new = dict(k=k_new, v=v_new, cache_seqlens=before) if append else dict(cache_seqlens=seqlens)
         if page_size is None:
-            return (lambda q, k, v: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal,
-                                                                     num_splits=splits)), None
+            return (lambda q, k, v: flashtile.flash_attn_with_kvcache(q, k, v, causal=causal, num_splits=splits,
+                                                                     **new)), None
         n = context // page_size
         table = torch.randperm(batch * n, device=DEVICE).view(batch, n).int()
 
@@ -164,10 +177,15 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
             return t.view(-1, page_size, *t.shape[2:])
 
         def run(q, k, v):
-            return flashtile.flash_attn_with_kvcache(q, pages(k), pages(v), cache_seqlens=seqlens,
-                                                     block_table=table, causal=causal, num_splits=splits)
+            return flashtile.flash_attn_with_kvcache(q, pages(k), pages(v), block_table=table, causal=causal,
+                                                     num_splits=splits, **new)
 
         return run, lambda t: pages(t)[table.long()].reshape(t.shape)
+
+    def sdpa_append(q, k, v):
+        k[:, context - sq:] = k_new
+        v[:, context - sq:] = v_new
+        return _sdpa_gqa(q, k, v)
 
     def planned():
         plan = flashtile.DecodePlan(batch, h, (batch, context, hk, HEADDIM), seqlens, dtype=dtype, device=DEVICE,
@@ -193,6 +211,10 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
             "flashtile-page64": flash(auto, 64)}
     table = {name: (fn, functools.partial(_check, fn, logical)) for name, (fn, logical) in rows.items()}
     table["flashtile-sink"] = (with_sink, sink_check)
+    table["sdpa-gqa-append"] = (sdpa_append, None)
+    for name, args in (("flashtile-append", (auto, None, True)), ("flashtile-page16-append", (auto, 16, True))):
+        fn, logical = flash(*args)
+        table[name] = (fn, functools.partial(_check_after, fn, logical))
     return table
 
 
@@ -201,6 +223,13 @@ def _check(fn, logical, q, k, v) -> float:
     or a gather (the paged rows)."""
     ref = _reference(q, k, v) if logical is None else _reference(q, logical(k), logical(v))
     return float((fn(q, k, v).float() - ref.float()).abs().max())
+
+
+def _check_after(fn, logical, q, k, v) -> float:
+    """_check for a call that writes the cache: the reference reads the cache as the call left it."""
+    out = fn(q, k, v)
+    ref = _reference(q, k, v) if logical is None else _reference(q, logical(k), logical(v))
+    return float((out.float() - ref.float()).abs().max())
 
 
 def _buffers(batch, context, hk, dtype):
@@ -264,7 +293,7 @@ def run(args, path: str | None = None) -> dict:
             rows.append(row)
             try:
                 if name.startswith("flashtile"):
-                    page = int(name[len("flashtile-page"):]) if "page" in name else 0
+                    page = int(re.search(r"page(\d+)", name).group(1)) if "page" in name else 0
                     row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(
                         batch, context, h, hk, dtype, page, sq)
                     err = check(q, *buffers[0])
