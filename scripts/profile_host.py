@@ -101,7 +101,7 @@ def launches_stubbed(on: bool):
     """Every prepared launch a no-op while on (CPU: the host path without the kernels)."""
     real = _launch.Prepared.__call__
     if on:
-        _launch.Prepared.__call__ = lambda self, tensors, scalars, stream=None: None
+        _launch.Prepared.__call__ = lambda self, tensors, scalars, stream=None, key=None: None
     try:
         yield
     finally:
@@ -217,11 +217,11 @@ def main(out=None):
             b, h, kp.shape, seqlens, dtype=q.dtype, device=dev, seqlen_new=1, block_table=table))
         host_table, host_lengths = _checks.host_copy(table), _checks.host_copy(seqlens)
         row("  check_cache_values, paged16, append 1", lambda: _checks.check_cache_values(
-            host_lengths, 1, ctx, kp.shape[0], table=host_table, page_size=page))
+            host_lengths, b, 1, ctx, kp.shape[0], table=host_table, page_size=page))
         big = torch.randint(0, 4000, (256,), dtype=torch.int32)
         big_table = torch.randperm(256 * 256).view(256, 256).int()
         row("  check_cache_values, 256 sequences x 256 pages, append 1", lambda: _checks.check_cache_values(
-            big, 1, 4096, 256 * 256, table=big_table, page_size=16))
+            big, 256, 1, 4096, 256 * 256, table=big_table, page_size=16))
         launch = plans["contiguous, append 1"]._launch
         row("  decode.decode_attention (outputs + launches)", lambda: decode.decode_attention(launch, q, kc, vc))
         row("  decode.append_kv", lambda: decode.append_kv(launch, k, v, kc, vc))
