@@ -280,3 +280,19 @@ def test_decode_rows_agree_on_cpu(tmp_path, monkeypatch):
     harness.write_result(path, result)
     names = [os.path.basename(p) for p in decode.plot(path, str(tmp_path))]
     assert names == ["decode_latency.png", "decode_bandwidth.png", "decode_sq.png"]
+
+
+def test_profile_host_runs_every_row_on_the_cpu(tmp_path):
+    """scripts/profile_host.py (issue 11's host-path pieces) on the CPU, launches stubbed: every row
+    times, none fails (its stubs must follow the launch and check signatures)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "profile_host.txt"
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
+    run = subprocess.run([sys.executable, os.path.join(root, "scripts", "profile_host.py"), str(out)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = out.read_text()
+    assert "us/call" in text and "failed" not in text, text
