@@ -40,7 +40,8 @@ import torch
 
 from flashtile.bench import harness
 
-PEERS = ("flashtile", "flashtile-det", "flashtile-triton", "sdpa-flash", "cudnn", "fa4", "fa4-det", "mem-efficient", "flex")
+PEERS = ("flashtile", "flashtile-det", "flashtile-triton", "sdpa-flash", "cudnn", "fa4", "fa4-det", "mem-efficient",
+         "flex")
 FA4_PEERS = ("fa4", "fa4-det")  # run only when flash_attn.cute imports
 
 
