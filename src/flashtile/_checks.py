@@ -419,11 +419,11 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
 
     lengths (b,), or an int >= 0 that every row holds: tokens already cached per batch row
     (cache_seqlens); seqlen_new appended after them. Contiguous: capacity = k_cache.shape[1],
-    cache_rows = k_cache.shape[0] sequences (batch_idx (b,) picks them). Paged: table (b,
-    max_pages) of pages of page_size rows, capacity = max_pages * page_size, cache_rows = pages in
-    k_cache. leftpad (b,): the first position a row reads. The rotary tables (rotary_len positions) must reach lengths + rotary_reach. Besides
-    bounds, no cache row may be appended to twice: one write would replace the other (pages shared
-    for reading, as prefix caches do, are fine).
+    cache_rows = k_cache.shape[0] sequences (batch_idx (b,) picks them). Paged: table (b, max_pages)
+    of pages of page_size rows, capacity = max_pages * page_size, cache_rows = pages in k_cache.
+    leftpad (b,): the first position a row reads. The rotary tables (rotary_len positions) must
+    reach lengths + rotary_reach. Besides bounds, no cache row may be appended to twice: one write
+    would replace the other (pages shared for reading, as prefix caches do, are fine).
 
     Every argument is a CPU tensor, read as a numpy array: one vectorised pass each, no loop over
     rows (serving batches hold hundreds), and numpy's ~1 us per operation on small arrays against
