@@ -93,7 +93,7 @@ def pieces(context: int, say) -> None:
         row("flashtile.flash_attn_with_kvcache", lambda: flashtile.flash_attn_with_kvcache(q, k, v, **options))
         row("api._plan_of_call (cached plan)", lambda: api._plan_of_call(q, k, v, None, None, call_args))
         row("DecodePlan.run", lambda: plan.run(q, k, v))
-        row("decode.decode_attention", lambda: decode.decode_attention(launch, q, k, v, False))
+        row("decode.decode_attention", lambda: decode.decode_attention(launch, q, k, v, want_lse=False))
 
         def guard():
             with api._device_guard(q):

@@ -222,13 +222,16 @@ def main(out=None):
         big_table = torch.randperm(256 * 256).view(256, 256).int()
         row("  check_cache_values, 256 sequences x 256 pages, append 1", lambda: _checks.check_cache_values(
             big, 256, 1, 4096, 256 * 256, table=big_table, page_size=16))
+        row("  decode.decode_attention (outputs + launch)", lambda: decode.decode_attention(
+            plans["contiguous"]._launch, q, kc, vc))
         launch = plans["contiguous, append 1"]._launch
-        row("  decode.decode_attention (outputs + launches)", lambda: decode.decode_attention(launch, q, kc, vc))
-        row("  decode.append_kv", lambda: decode.append_kv(launch, k, v, kc, vc))
+        row("  decode.decode_attention, append 1 (outputs + launch)", lambda: decode.decode_attention(
+            launch, q, kc, vc, k, v))
     row("  2 x torch.empty (out, lse)", lambda: (torch.empty((b, 1, h, d), dtype=q.dtype, device=dev),
                                                  torch.empty((b, h, 1), dtype=torch.float32, device=dev)))
     outputs = (torch.empty(b, 1, h, d, dtype=q.dtype, device=dev), torch.empty(b, h, 1, dtype=torch.float32, device=dev))
-    launch_key_rows(row, launch.split, (q, kc, vc, *outputs, None, None, None, None), (*q.stride(), *kc.stride(), *vc.stride()))
+    launch_key_rows(row, launch.split, (q, kc, vc, k, v, *outputs, None, None, None, None),
+                    (*q.stride(), *kc.stride(), *vc.stride(), *k.stride(), *v.stride()))
 
     if cuda:
         row("  torch.cuda.device(q.device) enter/exit", lambda: api._device_guard(q).__enter__() and None)

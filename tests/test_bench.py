@@ -267,14 +267,15 @@ def test_decode_rows_agree_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "bench_ms", lambda fn, warmup=25, rep=100: (fn(), 0.001)[1])
     monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
     impls = ["sdpa-gqa", "flashtile", "flashtile-plan", "flashtile-page16", "sdpa-gqa-append", "flashtile-append",
-             "flashtile-page16-append"]
+             "flashtile-plan-append", "flashtile-page16-append"]
     args = argparse.Namespace(dtype="float32", quick=True, impls=impls, tolerance=1e-4, sq=[3])
     result = decode.run(args, path)
 
     assert result["failed"] == []
     errors = {(r["impl"], r["sq"]): r["max_err_vs_sdpa"] for r in result["rows"] if "max_err_vs_sdpa" in r}
     assert set(errors) == {("flashtile", 1), ("flashtile-plan", 1), ("flashtile-page16", 1), ("flashtile-append", 1),
-                           ("flashtile-page16-append", 1), ("flashtile", 3), ("flashtile-plan", 3)}
+                           ("flashtile-plan-append", 1), ("flashtile-page16-append", 1), ("flashtile", 3),
+                           ("flashtile-plan", 3)}
     assert all(0 < e < 1e-4 for e in errors.values())
     assert all("us" in r and "loop_us" in r and "graph_error" in r for r in result["rows"])  # no CUDA graphs
     harness.write_result(path, result)

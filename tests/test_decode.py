@@ -84,6 +84,9 @@ ERRORS = {
     "table-shared-write": (_paged(block_table=torch.tensor([[2, 1, -1, -1], [2, 3, 4, 5]], dtype=torch.int32),
                                   cache_seqlens=torch.tensor([5, 5], dtype=torch.int32)), ValueError,
                            "batch rows 0 and 1 would both append into row 5 of page 2 (block_table)"),
+    "table-read-of-an-append": (_paged(block_table=torch.tensor([[2, 1, -1, -1], [2, 3, 4, 5]], dtype=torch.int32),
+                                       cache_seqlens=torch.tensor([5, 9], dtype=torch.int32)), ValueError,
+                                "batch row 0 would append into row 5 of page 2 (block_table), which batch row 1 reads"),
     "table-negative-read": (_paged(k=None, v=None, cache_seqlens=torch.tensor([33, 5], dtype=torch.int32)),
                             ValueError, "block_table[0, 2] = -1 is not a page of k_cache"),
     "leftpad-negative": (_call(cache_leftpad=torch.tensor([-1, 0], dtype=torch.int32)), ValueError,
@@ -230,7 +233,7 @@ VALUE_CASES = {  # check_cache_values: (kwargs, the longest key range)
     "rotary": (dict(lengths=[3, 10, 0], seqlen_new=2, rotary_len=12, rotary_reach=2), 12),
     "int": (dict(lengths=10, seqlen_new=2, rotary_len=12, rotary_reach=2), 12),
     "int-leftpad": (dict(lengths=10, seqlen_new=2, leftpad=[2, 9, 4]), 10),
-    "int-paged": (dict(lengths=20, seqlen_new=1, table=[[0, 1], [2, 3], [4, 0]], page_size=16), 21),
+    "int-paged": (dict(lengths=20, seqlen_new=1, table=[[0, 1], [2, 3], [4, 5]], page_size=16), 21),
 }
 
 
@@ -239,7 +242,7 @@ def test_check_cache_values(kw, want):
     kw = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in kw.items()}
     paged = "table" in kw
     assert _checks.check_cache_values(kw.pop("lengths"), 3, kw.pop("seqlen_new"), 32 if paged else 20,
-                                      5 if paged else 3, **kw) == want
+                                      6 if paged else 3, **kw) == want
     for lengths in (torch.tensor([3, 10, 0]), 10):  # a length per row, or one for every row
         with pytest.raises(ValueError, match="rotary_cos/rotary_sin have 11 positions.*reach position 11"):
             _checks.check_cache_values(lengths, 3, 2, 20, 3, rotary_len=11, rotary_reach=2)
@@ -254,6 +257,27 @@ def test_check_cache_values(kw, want):
     with pytest.raises(ValueError, match=r"cache overflow: batch row 0 holds 10 tokens .* appends 11, but "
                                          r"k_cache holds 20"):
         _checks.check_cache_values(10, 3, 11, 20, 3)
+
+
+SHARED_PAGE_CASES = {  # (lengths, leftpad, table, s_new): a page that one row appends to and another reads
+    "reads-the-slot": ([5, 7], None, [[0, 1], [0, 2]], 1, "batch row 0 would append into row 5 of page 0"),
+    "appends-past-the-other": ([7, 5], None, [[0, 1], [0, 2]], 2, "batch row 1 would append into row 5 of page 0"),
+    "second-page": ([20, 30], None, [[3, 1], [0, 1]], 1, "batch row 0 would append into row 4 of page 1"),
+}
+
+
+@pytest.mark.parametrize("lengths,leftpad,table,s_new,message", SHARED_PAGE_CASES.values(),
+                         ids=SHARED_PAGE_CASES.keys())
+def test_an_appended_slot_that_another_row_reads(lengths, leftpad, table, s_new, message):
+    """The kernel that appends reads its own new keys from k/v: another row reading the slot would
+    race the write, so the plan refuses it. Rows whose reads and writes miss each other's slots
+    (here the second starts after the first's slot: leftpad) share the page safely."""
+    as_tensor = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=message + r" \(block_table\), which batch row \d reads"):
+        _checks.check_cache_values(as_tensor(lengths), 2, s_new, 32, 4, table=as_tensor(table), page_size=16,
+                                   leftpad=as_tensor(leftpad))
+    assert _checks.check_cache_values(as_tensor([5, 12]), 2, 1, 32, 4, table=as_tensor([[0, 1], [0, 2]]),
+                                      page_size=16, leftpad=as_tensor([0, 6])) == 7
 
 
 MERGE_ERRORS = {

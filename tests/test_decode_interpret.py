@@ -69,6 +69,25 @@ def test_lengths(lengths, s_new, combine, monkeypatch):
 
 
 @COMBINE
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+def test_append_spans_tiles_splits_and_m_blocks(page_size, combine, monkeypatch):
+    """The launch that appends writes its new keys, each program those it reads: 40 new keys (a
+    chunk of prefill) cross two 32-key tiles and, with 3 splits, two splits; their 80 packed query
+    rows take two M blocks (both write what they read: the same bytes); row 0 has no cached keys."""
+    use_combine(monkeypatch, combine)
+    check_kvcache(2, 40, 4, 2, 32, 160, 40, torch.float16, "cpu", page_size=page_size, lengths=[0, 100],
+                  causal=True, num_splits=3)
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+def test_new_rows_no_query_sees_are_appended(page_size):
+    """A left window narrower than the new rows hides the first of them from the only query: no
+    split reads them, and they are written all the same (split 0's first M block writes every
+    new row; the others write what they read)."""
+    check_kvcache(2, 1, 4, 2, 32, 100, 5, torch.float16, "cpu", page_size=page_size, window=(2, 0), num_splits=3)
+
+
+@COMBINE
 @DTYPES
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
 def test_num_splits_agree(page_size, dtype, combine, monkeypatch):

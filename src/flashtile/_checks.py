@@ -422,8 +422,10 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
     cache_rows = k_cache.shape[0] sequences (batch_idx (b,) picks them). Paged: table (b, max_pages)
     of pages of page_size rows, capacity = max_pages * page_size, cache_rows = pages in k_cache.
     leftpad (b,): the first position a row reads. The rotary tables (rotary_len positions) must
-    reach lengths + rotary_reach. Besides bounds, no cache row may be appended to twice: one write
-    would replace the other (pages shared for reading, as prefix caches do, are fine).
+    reach lengths + rotary_reach. Besides bounds, no cache row may be appended to twice (one write
+    would replace the other), nor appended to by one batch row and read by another (the kernel that
+    appends reads its new keys from k and v, so the other row would race the write); pages shared
+    for reading, as prefix caches do, are fine.
 
     Every argument is a CPU tensor, read as a numpy array: one vectorised pass each, no loop over
     rows (serving batches hold hundreds), and numpy's ~1 us per operation on small arrays against
@@ -473,8 +475,9 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
                              f"(num_blocks = {cache_rows}), and batch row {row} uses it")
         if seqlen_new:
             pos = n[:, None] + np.arange(seqlen_new)[None, :]  # (b, seqlen_new) written positions
-            _check_disjoint(np.take_along_axis(pages, pos // page_size, 1) * page_size + pos % page_size,
-                            lambda r: f"row {r % page_size} of page {r // page_size} (block_table)")
+            slots = np.take_along_axis(pages, pos // page_size, 1) * page_size + pos % page_size
+            _check_disjoint(slots, lambda r: f"row {r % page_size} of page {r // page_size} (block_table)")
+            _check_unread(slots, pages, reads, starts, ends, page_size, cache_rows)
     if rotary_len is not None and n.max() + rotary_reach > rotary_len:
         _rotary_short(rotary_len, n.max() + rotary_reach)
     return int((ends - starts).max())
@@ -490,6 +493,33 @@ def _overflow(row: int, held: int, seqlen_new: int, capacity: int, page_size: in
 def _rotary_short(rotary_len: int, reach: int):
     raise ValueError(f"rotary_cos/rotary_sin have {rotary_len} positions, but the new tokens and queries "
                      f"reach position {reach - 1}")
+
+
+def _check_unread(slots, pages, reads, starts, ends, page_size: int, cache_rows: int) -> None:
+    """slots (b, seqlen_new): the page rows (page * page_size + row) each batch row appends to;
+    pages (b, max_pages) with reads marking the pages each row reads (its written pages among
+    them). No row may read a slot another row appends to. The common case is decided by counting:
+    when the table entries the rows write through name that many distinct pages, and the read
+    entries that land on those pages are no more than these entries, every written page is read by
+    its writer alone. Otherwise the shared pages are looked at slot by slot."""
+    b, s_new = slots.shape
+    entries = int(((ends - 1) // page_size - (ends - s_new) // page_size + 1).sum())  # columns written through
+    is_written = np.zeros(cache_rows, dtype=bool)
+    is_written[slots.ravel() // page_size] = True
+    hits = np.take(is_written, pages, mode="clip") & reads  # pages outside k_cache are never read
+    if np.count_nonzero(is_written) == entries and np.count_nonzero(hits) == entries:
+        return
+    writer = np.repeat(np.arange(b), s_new)
+    written = {}  # page -> {page row: the batch row appending to it}
+    for row, slot in zip(writer, slots.ravel()):
+        written.setdefault(int(slot) // page_size, {})[int(slot) % page_size] = int(row)
+    for r, c in zip(*np.nonzero(hits)):
+        page = int(pages[r, c])
+        lo, hi = max(int(starts[r]) - c * page_size, 0), min(int(ends[r]) - c * page_size, page_size)
+        for slot, w in written[page].items():
+            if w != r and lo <= slot < hi:
+                raise ValueError(f"batch row {w} would append into row {slot} of page {page} (block_table), which "
+                                 f"batch row {r} reads: a page shared that far cannot take new keys")
 
 
 def _check_disjoint(written: np.ndarray, where) -> None:

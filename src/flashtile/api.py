@@ -638,9 +638,7 @@ class DecodePlan:
             if launch is None:
                 launch = self._sink_launch = self._kernel_plan(has_sink=True)
         with _device_guard(q):
-            if k is not None:
-                decode.append_kv(launch, k, v, k_cache, v_cache)
-            return decode.decode_attention(launch, q, k_cache, v_cache, want_lse, sink)
+            return decode.decode_attention(launch, q, k_cache, v_cache, k, v, want_lse, sink)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -11,10 +11,11 @@ at (64, 8192), one new query token per sequence. Implementations, in one process
   flashtile          Flash-Decoding, num_splits from configs.decode_num_splits
   flashtile-plan     the same through a DecodePlan made once per shape (a serving loop's per-layer call)
   flashtile-page16/64  the same cache as pages of 16 / 64 tokens handed out in a random order
-  flashtile-append, flashtile-page16-append, sdpa-gqa-append
+  flashtile-append, flashtile-plan-append, flashtile-page16-append, sdpa-gqa-append
                      a decoding step that also writes the new token's K/V into the cache: the
-                     cache holds context - 1 tokens and flash_attn_with_kvcache(k=, v=) appends
-                     the last one; SDPA's user writes it by slice assignment, then attends
+                     cache holds context - 1 tokens and flash_attn_with_kvcache(k=, v=) (or a
+                     plan's run(q, k_cache, v_cache, k, v)) appends the last one in the same
+                     launch; SDPA's user writes it by slice assignment, then attends
   flashtile-sink     flashtile with an attention sink (learnable_sink, gpt-oss), checked against
                      flashtile's output and LSE without one, the sink folded in by hand
 Then speculative decoding / chunked prefill: SQ query rows per sequence (GQA packing puts sq x 8
@@ -55,7 +56,7 @@ SQ_SHAPES = ((16, 4096, 16, 2), (64, 8192, 32, 8))  # (batch, context, nheads, n
 SQ = (2, 4, 8, 16)
 IMPLS = ("read-floor", "eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-plan",
          "flashtile-page16", "flashtile-page64", "flashtile-sink", "sdpa-gqa-append", "flashtile-append",
-         "flashtile-page16-append")
+         "flashtile-plan-append", "flashtile-page16-append")
 SQ_IMPLS = ("sdpa-gqa", "flashtile", "flashtile-plan")  # the peers of the sq > 1 rows
 ROTATION_BYTES = 640 * 2**20
 HEADDIM = 128
@@ -187,10 +188,11 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
         v[:, context - sq:] = v_new
         return _sdpa_gqa(q, k, v)
 
-    def planned():
-        plan = flashtile.DecodePlan(batch, h, (batch, context, hk, HEADDIM), seqlens, dtype=dtype, device=DEVICE,
-                                    seqlen_q=sq, causal=causal, num_splits=auto)
-        return (lambda q, k, v: plan.run(q, k, v)), None
+    def planned(append=False):
+        lengths, new = (before, (k_new, v_new)) if append else (seqlens, ())
+        plan = flashtile.DecodePlan(batch, h, (batch, context, hk, HEADDIM), lengths, dtype=dtype, device=DEVICE,
+                                    seqlen_q=sq, seqlen_new=sq if append else 0, causal=causal, num_splits=auto)
+        return (lambda q, k, v: plan.run(q, k, v, *new)), None
 
     sink = torch.randn(h, device=DEVICE) + math.log(context)  # a real share of each row
 
@@ -212,8 +214,8 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
     table = {name: (fn, functools.partial(_check, fn, logical)) for name, (fn, logical) in rows.items()}
     table["flashtile-sink"] = (with_sink, sink_check)
     table["sdpa-gqa-append"] = (sdpa_append, None)
-    for name, args in (("flashtile-append", (auto, None, True)), ("flashtile-page16-append", (auto, 16, True))):
-        fn, logical = flash(*args)
+    for name, (fn, logical) in (("flashtile-append", flash(auto, None, True)), ("flashtile-plan-append", planned(True)),
+                                ("flashtile-page16-append", flash(auto, 16, True))):
         table[name] = (fn, functools.partial(_check_after, fn, logical))
     return table
 

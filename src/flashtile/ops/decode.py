@@ -1,11 +1,12 @@
 """Flash-Decoding: split-KV attention over a contiguous or paged KV cache, then an LSE merge.
 
-Three kernels, each a plain stream over HBM:
-  _append_kernel   new k/v rows (rotary applied to k) written into the cache, through the page table
+Two kernels, each a plain stream over HBM:
   _split_kernel    one program per (split, kv head [x M block], batch): the query rows of every head
                    that shares the kv head are packed into one tile (GQA packing), so each KV byte
                    is read once; it writes a partial (out, lse) per split, in fp32 - or, with one
-                   split, the final output directly
+                   split, the final output directly. New k/v rows (rotary applied to k) are
+                   written into the cache, through the page table, by the same launch (APPEND):
+                   each program writes those it reads, before it reads them
   _combine_kernel  out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s (seed 004's
                    kernel 2); splits with lse = -inf (nothing seen) contribute nothing
 
@@ -20,7 +21,7 @@ loop walks physical positions so tiles never straddle a page boundary when page_
 
 Host side: plan() packs everything that is the same for every layer of a decoding step (tiles,
 split count, the index tensors and their strides, the partial buffers) into prepared launches once
-(api.DecodePlan holds it); append_kv and decode_attention add one layer's q, k/v and cache.
+(api.DecodePlan holds it); decode_attention adds one layer's q, k/v and cache.
 Index values are checked by the API on the host; the kernels clamp them regardless (see
 _split_kernel), so values the API cannot read (CUDA-graph capture) never reach outside a tensor.
 """
@@ -78,68 +79,67 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
 _LENGTHS = ("seqlen_const", "capacity")
 
 
-@triton.jit(do_not_specialize=_LENGTHS)
-def _append_kernel(
-    Knew, Vnew, KCache, VCache, Seqlens, BatchIdx, BlockTable, Cos, Sin,
-    stride_nb, stride_nt, stride_nh, stride_nd,
-    stride_wb, stride_wt, stride_wh, stride_wd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_sl, stride_bi, stride_tb, stride_tp, stride_cr, stride_cc, stride_sr, stride_sc,
-    seqlen_const, seqlen_new, capacity, cache_rows, rotary_len,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-):
-    """k_new[b, t] -> cache row cache_seqlens[b] + t (rotary at that position), v_new likewise.
 
-    Grid (cdiv(seqlen_new, BLOCK_T), nheads_k, batch). cache_rows = k_cache.shape[0] (pages, or
-    sequences of a contiguous cache). The API rejects an append that does not fit whenever it can
-    read the index values; under CUDA-graph capture it cannot, and then a row at a position outside
-    [0, capacity), on a page index outside k_cache, or of a cache_batch_idx outside k_cache is not
-    written: nothing outside the cache is ever written.
-    """
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    kh = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_d = tl.arange(0, BLOCK_D)
-    if HAS_SEQLENS:
-        n_cache = tl.load(Seqlens + b * stride_sl)
-    else:
-        n_cache = seqlen_const
-    pos = n_cache + offs_t  # physical cache positions
-    ok = (offs_t < seqlen_new) & (pos >= 0) & (pos < capacity)
+@triton.jit
+def _cache_rows(pos, first, ok, table, cache_rows, stride_kb, stride_kn, stride_vb, stride_vn, stride_tp,
+                PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """(ok, k_rows, v_rows) for cache positions pos (R,) of one sequence: the offsets of their rows
+    in K and V, through the page table `table` when paged, where ok loses the positions on a page
+    outside k_cache (cache_rows pages). ONE_PAGE: every position lies on the page of position
+    `first`, whose index is read once."""
     if PAGE_SIZE > 0:
-        page = tl.load(BlockTable + b.to(tl.int64) * stride_tb + (pos // PAGE_SIZE) * stride_tp, mask=ok, other=0)
+        if ONE_PAGE:
+            page = tl.load(table + (first // PAGE_SIZE) * stride_tp)
+        else:
+            page = tl.load(table + (pos // PAGE_SIZE) * stride_tp, mask=ok, other=0)
         ok = ok & (page >= 0) & (page < cache_rows)
         k_rows = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
         v_rows = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
     else:
-        cb = b
-        if HAS_BATCH_IDX:
-            cb = tl.load(BatchIdx + b * stride_bi)
-            ok = ok & (cb >= 0) & (cb < cache_rows)
-        k_rows = cb.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
-        v_rows = cb.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
-    mask = ok[:, None]
-    if not EVEN_D:
-        mask = mask & (offs_d[None, :] < HEAD_DIM)
-    src = Knew + b.to(tl.int64) * stride_nb + kh * stride_nh + offs_t[:, None] * stride_nt
-    k = _load_rope(src, offs_d, stride_nd, mask, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc,
-                   pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
-    v = tl.load(Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh + offs_t[:, None] * stride_wt
-                + offs_d[None, :] * stride_wd, mask=mask)
-    tl.store(KCache + kh * stride_kh + k_rows[:, None] + offs_d[None, :] * stride_kd,
-             k.to(KCache.dtype.element_ty), mask=mask)
-    tl.store(VCache + kh * stride_vh + v_rows[:, None] + offs_d[None, :] * stride_vd, v, mask=mask)
+        k_rows = pos.to(tl.int64) * stride_kn
+        v_rows = pos.to(tl.int64) * stride_vn
+    return ok, k_rows, v_rows
+
+
+@triton.jit
+def _append_rows(KNew, VNew, K, V, table, n_cache, t_first, t_last, capacity, cache_rows, rows_ok,
+                 stride_nt, stride_nd, stride_wt, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+                 stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Write new rows of one (batch, kv head): KNew[t] -> cache position n_cache + t (rotary at that
+    position), VNew[t] likewise, for t in [t_first, t_last).
+
+    K, V: the cache at this kv head (and, contiguous, at this sequence); table: this row's page
+    table. rows_ok: False for a sequence outside k_cache. A row at a position outside
+    [0, capacity) or on a page outside k_cache is not written (see _split_kernel).
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    for t0 in tl.range(t_first, t_last, BLOCK_T, num_stages=1):  # not pipelined: no shared memory of its own
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        pos = n_cache + offs_t
+        ok = (offs_t < t_last) & (pos >= 0) & (pos < capacity) & rows_ok
+        ok, k_rows, v_rows = _cache_rows(pos, n_cache + t0, ok, table, cache_rows, stride_kb, stride_kn, stride_vb, stride_vn,
+                                         stride_tp, PAGE_SIZE, False)
+        mask = ok[:, None]
+        if not EVEN_D:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        k = _load_rope(KNew + offs_t[:, None] * stride_nt, offs_d, stride_nd, mask, Cos, Sin, stride_cr, stride_cc,
+                       stride_sr, stride_sc, pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
+        v = tl.load(VNew + offs_t[:, None] * stride_wt + offs_d[None, :] * stride_wd, mask=mask)
+        tl.store(K + k_rows[:, None] + offs_d[None, :] * stride_kd, k.to(K.dtype.element_ty), mask=mask)
+        tl.store(V + v_rows[:, None] + offs_d[None, :] * stride_vd, v, mask=mask)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
 def _split_kernel(
-    Q, K, V, Out, Lse, OutF, LseF, Arrivals, Sink, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes, Cos, Sin,
+    Q, K, V, Knew, Vnew, Out, Lse, OutF, LseF, Arrivals, Sink, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes,
+    Cos, Sin,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_nb, stride_nt, stride_nh, stride_nd,
+    stride_wb, stride_wt, stride_wh, stride_wd,
     stride_os, stride_ob, stride_om, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
@@ -153,8 +153,10 @@ def _split_kernel(
     ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr,
+    APPEND: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Attention of one (batch, kv head, M block) over one split of its keys.
+    """Attention of one (batch, kv head, M block) over one split of its keys, after appending
+    Knew/Vnew (b, seqlen_new, hk, d) at cache positions cache_seqlens[b] + t (APPEND).
 
     Grid (num_splits, nheads_k * m_blocks, batch). Tile row r is query i = r // GROUP of head
     kv_head * GROUP + r % GROUP. Out/Lse are the partials (num_splits, b, sq, h, d) fp32 and
@@ -164,13 +166,21 @@ def _split_kernel(
     every split's partial into OutF (b, sq, h, d) and LseF (b, h, sq) (_merge_splits): Arrivals
     holds one zeroed int32 counter per (batch, kv head, M block), and is left zeroed. HAS_SINK:
     Sink (h,) is added to the final rows (one split's, or the fused merge's), not to partials.
+    APPEND: before its loop, each program writes the new rows its split reads into the cache
+    (_append_rows), and the programs of split 0, M block 0 write every new row (one a window hides
+    from every query is still appended); after a barrier the loop reads them back like any key: a
+    program's own writes are visible to all its threads, and programs that write one row write the
+    same bytes. No program waits for another. A slot one batch row appends into and another row
+    reads (a page shared that far: the API rejects it) would be read before or after the write.
 
     The API checks the index values whenever it can read them; under CUDA-graph capture it cannot,
     so every index is clamped into the tensors it addresses: cache_seqlens to [0, capacity],
     cache_leftpad to [0, cache_seqlens], key positions to [0, capacity); a page index outside
     k_cache (cache_rows pages) masks its keys, and a cache_batch_idx outside k_cache (cache_rows
-    sequences) leaves its row with no keys. Such rows get an output that means nothing, but nothing
-    outside the cache, the page table or the rotary tables is read.
+    sequences) leaves its row with no keys. New rows at positions outside [0, capacity), on pages
+    outside k_cache or of a sequence outside it are not written. Such rows
+    get an output that means nothing, but nothing outside the cache, the page table or the rotary
+    tables is read or written.
     """
     split = tl.program_id(0)
     kh = tl.program_id(1) // m_blocks
@@ -178,13 +188,16 @@ def _split_kernel(
     b = tl.program_id(2)
 
     if HAS_SEQLENS:
-        n_cache = tl.minimum(tl.maximum(tl.load(Seqlens + b * stride_sl), 0), capacity)
+        n_given = tl.load(Seqlens + b * stride_sl)
+        n_cache = tl.minimum(tl.maximum(n_given, 0), capacity)
     else:
-        n_cache = seqlen_const  # a host int: always checked
+        n_given = seqlen_const  # a host int: always checked
+        n_cache = n_given
     pad = 0
     if HAS_LEFTPAD:
         pad = tl.minimum(tl.maximum(tl.load(LeftPad + b * stride_lp), 0), n_cache)
     cb = b
+    cb_ok = True
     if HAS_BATCH_IDX:  # contiguous caches only (the API rejects it with a block_table)
         cb = tl.load(BatchIdx + b * stride_bi)
         cb_ok = (cb >= 0) & (cb < cache_rows)  # if not, the row gets no keys (below): nothing is read
@@ -236,6 +249,7 @@ def _split_kernel(
     blk_start = first_blk + split * per_split
     blk_end = tl.minimum(blk_start + per_split, first_blk + n_blk)
 
+    table = BlockTable  # None for a contiguous cache
     if PAGE_SIZE > 0:
         table = BlockTable + b.to(tl.int64) * stride_tb
     else:
@@ -243,6 +257,19 @@ def _split_kernel(
         V = V + cb.to(tl.int64) * stride_vb
     K = K + kh * stride_kh
     V = V + kh * stride_vh
+    if APPEND:
+        t_first = tl.maximum(tl.maximum(blk_start * BLOCK_N, lo) - n_cache, 0)
+        t_last = tl.minimum(tl.minimum(blk_end * BLOCK_N, hi) - n_cache, seqlen_new)
+        if (split == 0) & (start_m == 0):
+            t_first = 0
+            t_last = seqlen_new
+        _append_rows(Knew + b.to(tl.int64) * stride_nb + kh * stride_nh,
+                     Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh, K, V, table, n_given, t_first, t_last,
+                     capacity, cache_rows, cb_ok, stride_nt, stride_nd, stride_wt, stride_wd, stride_kb, stride_kn,
+                     stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr,
+                     stride_sc, rotary_len, HEAD_DIM, BLOCK_D, BLOCK_T, PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED,
+                     EVEN_D)
+        tl.debug_barrier()  # this program's new rows are in the cache for all its threads
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -250,17 +277,9 @@ def _split_kernel(
     for start_n in range(blk_start * BLOCK_N, blk_end * BLOCK_N, BLOCK_N):
         pos = start_n + tl.arange(0, BLOCK_N)
         key_ok = (pos >= lo) & (pos < hi)
-        if PAGE_SIZE > 0:
-            if PAGE_SIZE % BLOCK_N == 0:
-                page = tl.load(table + (start_n // PAGE_SIZE) * stride_tp)  # the tile lies inside one page
-            else:
-                page = tl.load(table + (pos // PAGE_SIZE) * stride_tp, mask=key_ok, other=0)
-            key_ok = key_ok & (page >= 0) & (page < cache_rows)
-            k_rows = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
-            v_rows = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
-        else:
-            k_rows = pos.to(tl.int64) * stride_kn
-            v_rows = pos.to(tl.int64) * stride_vn
+        # with pages a multiple of the tile, the tile lies inside one page: one page index per tile
+        key_ok, k_rows, v_rows = _cache_rows(pos, start_n, key_ok, table, cache_rows, stride_kb, stride_kn,
+                                             stride_vb, stride_vn, stride_tp, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
         kv_mask = key_ok[:, None]
         if not EVEN_D:
             kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
@@ -459,8 +478,8 @@ class DecodeLaunch(NamedTuple):
     out_shape: tuple  # (b, sq, h, d), q's dtype
     lse_shape: tuple  # (b, h, sq), fp32
     num_splits: int
-    append: Optional[Prepared]  # called with (k, v, k_cache, v_cache) and their strides; None: no new keys
-    split: Optional[Prepared]  # called with (q, k_cache, v_cache, out, lse) and the first three's strides
+    seqlen_new: int  # new keys each call appends (its k and v); 0: none
+    split: Optional[Prepared]  # called with (q, k_cache, v_cache, k, v, out, lse, ...) and the first five's strides
     combine: Optional[Prepared]  # None with one split, or with the combine fused into the split kernel
     fused: bool  # the split kernel's last program per row merges the splits (arrival counters)
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
@@ -483,8 +502,8 @@ def _stride0(t) -> int:
 def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seqlen_new, cache_seqlens,
          cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
          softmax_scale, window, softcap, num_splits, max_keys, has_sink=False) -> DecodeLaunch:
-    """The launches of a checked decoding call: new k/v appended, then split-KV attention of q over
-    the cache, then the merge of the splits.
+    """The launches of a checked decoding call: split-KV attention of q over the cache, which the
+    same launch extends by the new k/v, then the merge of the splits (unless fused).
 
     q (b, sq, h, d); k_cache/v_cache (cache_rows, capacity, hk, d), or pages (cache_rows, page_size,
     hk, d) with block_table (b, max_blocks) int32 (capacity = max_blocks * page_size);
@@ -516,15 +535,6 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     flags = dict(HEAD_DIM=d, BLOCK_D=block_d, PAGE_SIZE=page_size, ROTARY_DIM=rotary_dim,
                  ROTARY_INTERLEAVED=bool(rotary_interleaved), EVEN_D=d == block_d,
                  HAS_SEQLENS=seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None)
-
-    append = None
-    if b * seqlen_new > 0:
-        block_t = min(16, next_pow2(seqlen_new))
-        append = Prepared(
-            _append_kernel, (cdiv(seqlen_new, block_t), hk, b),
-            (seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin),
-            (_stride0(seqlens), _stride0(cache_batch_idx), *table_strides, *rotary_strides,
-             seqlen_const, seqlen_new, capacity, cache_rows, rotary_len), 4, 3, BLOCK_T=block_t, **flags)
 
     # out (b, sq, h, d) and lse (b, h, sq) are allocated contiguous by each call; the partials
     # (S, b, sq, h, d) and (S, b, h, sq) share one fp32 buffer, the lse part 16-byte aligned
@@ -560,14 +570,10 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
             HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
-            MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, **flags)
-    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, append, split, combine, fused, sizes, {}, {}, has_sink)
-
-
-def append_kv(p: DecodeLaunch, k, v, k_cache, v_cache) -> None:
-    """Write k/v (b, seqlen_new, hk, d) into the cache at cache_seqlens[b] (in place; k rotated)."""
-    if p.append is not None:
-        p.append((k, v, k_cache, v_cache), (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()))
+            MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
+            BLOCK_T=min(16, next_pow2(seqlen_new)), **flags)
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, combine, fused, sizes, {}, {},
+                        has_sink)
 
 
 def _scratch(p: DecodeLaunch, device, stream) -> tuple:
@@ -583,13 +589,16 @@ def _scratch(p: DecodeLaunch, device, stream) -> tuple:
     return scratch
 
 
-def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True, sink=None):
-    """Attention of q over the cache (new keys already appended) -> out (b, sq, h, d) in q's dtype,
-    and lse (b, h, sq) fp32, or None when not want_lse: the kernels then write the LSE into a buffer
-    the plan keeps for that and nobody reads (one allocation less per call). sink: the attention
-    sink (h,) contiguous, given exactly when the plan was made with has_sink."""
+def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, k=None, v=None, want_lse: bool = True, sink=None):
+    """Append k/v (b, seqlen_new, hk, d) to the cache at cache_seqlens[b] (in place, k rotated; given
+    exactly when the plan has seqlen_new > 0) and attend q over the cache -> out (b, sq, h, d) in
+    q's dtype, and lse (b, h, sq) fp32, or None when not want_lse: the kernels then write the LSE
+    into a buffer the plan keeps for that and nobody reads (one allocation less per call). sink:
+    the attention sink (h,) contiguous, given exactly when the plan was made with has_sink."""
     if (sink is not None) != p.has_sink:
         raise ValueError(f"this decoding launch was planned {'with' if p.has_sink else 'without'} an attention sink")
+    if (k is not None) != (p.seqlen_new > 0):
+        raise ValueError(f"this decoding launch was planned for {p.seqlen_new} new keys per sequence")
     device = q.device
     out = torch.empty(p.out_shape, dtype=q.dtype, device=device)
     if want_lse:
@@ -606,12 +615,17 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, want_lse: bool = True
     else:
         o_buf, l_buf, arrivals = _scratch(p, device, stream)
     finals = (out, lse, arrivals) if p.fused else (None, None, None)
-    # the launch key of the call's tensors: q, k_cache and v_cache share q's dtype (checked by
-    # DecodePlan.run); the outputs and buffers are allocated here, 16-byte aligned
+    # the launch key of the call's tensors: q, k_cache, v_cache, k and v share q's dtype (checked
+    # by DecodePlan.run); the outputs and buffers are allocated here, 16-byte aligned
     key = (q.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
            None if sink is None else (sink.dtype, sink.data_ptr() % 16 == 0))
-    p.split((q, k_cache, v_cache, o_buf, l_buf, *finals, sink), (*q.stride(), *k_cache.stride(), *v_cache.stride()),
-            stream, key)
+    if k is None:
+        new_strides = (0,) * 8
+    else:
+        key += (k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
+        new_strides = (*k.stride(), *v.stride())
+    p.split((q, k_cache, v_cache, k, v, o_buf, l_buf, *finals, sink),
+            (*q.stride(), *k_cache.stride(), *v_cache.stride(), *new_strides), stream, key)
     if p.combine is not None:
         p.combine((o_buf, l_buf, out, lse, sink), (), stream)
     return out, lse if want_lse else None
