@@ -3,6 +3,8 @@
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
     python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal]   (the Gluon Hopper kernels:
         ptxas's report)
+    python tests/codegen_check.py decode D PAGE_SIZE [--append]   (the decoding split kernel, fp16,
+        16 q / 2 kv heads: registers, spills, shared memory)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
 computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
@@ -29,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtile.ops import backward, configs, forward
+from flashtile.ops import backward, configs, decode, forward
 
 B = configs.BlockConfig
 KERNELS = {  # kernel, default tiles, the names they set
@@ -160,6 +162,42 @@ def compile_hopper_backward(d: int, causal: bool):
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
 
 
+def compile_decode(d: int, page_size: int, append: bool):
+    """ops.decode._split_kernel as plan() launches it for an fp16 decoding step over a cache with
+    16 q / 2 kv heads (one query row, one split): int32 cache_seqlens, a block table when paged,
+    new k/v rows to append with `append`."""
+    cfg = configs.decode_config(8, d, torch.float16, page_size, torch.device("cuda"))
+    kernel = decode._split_kernel
+    names = [p.name for p in kernel.params]
+    block_d = configs.padded_headdim(d)
+    const = dict(GROUP=8, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
+                 HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
+                 ROTARY_BY_ROW=False, DOT_PRECISION="ieee", EVEN_D=d == block_d, HAS_SEQLENS=True,
+                 HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_ALIBI=False, FUSED_COMBINE=False,
+                 MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=False, APPEND=append, BLOCK_T=1,
+                 OutF=None, LseF=None, Arrivals=None, Sink=None, BatchIdx=None, LeftPad=None, Slopes=None,
+                 Cos=None, Sin=None)
+    if not page_size:
+        const["BlockTable"] = None
+    if not append:
+        const.update(Knew=None, Vnew=None)
+    const.update({n: 1 for n in names if n.startswith("stride_") and n.endswith("d")})
+    signature, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            signature[n] = "constexpr"
+        elif n[0].isupper():
+            signature[n] = "*i32" if n in ("Seqlens", "BlockTable") else "*fp16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[n] = "fp32" if n in ("qk_scale", "softcap") else "i32"
+            if n.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
 def ptxas_report(compiled) -> dict:
     """ptxas -v on the kernel's PTX: spill bytes, whether it serialised the wgmmas (info C7514: an
     accumulator read while its product may be in flight), the setmaxnreg values and the shared
@@ -211,6 +249,10 @@ def global_memory_ops(compiled) -> dict:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    if argv[0] == "decode":
+        compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv)
+        print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared)))
+        sys.exit(0)
     if argv[0] in ("forward-sm90", "backward-sm90"):
         compile_hopper = compile_hopper_forward if argv[0] == "forward-sm90" else compile_hopper_backward
         print(json.dumps(ptxas_report(compile_hopper(int(argv[1]), "--causal" in argv))))
