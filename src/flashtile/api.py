@@ -410,8 +410,9 @@ class DecodePlan:
 
     Checks: everything flash_attn_with_kvcache checks, once. Values the plan reads on the host:
     cache overflow (cache_seqlens + seqlen_new beyond the cache or beyond what block_table
-    addresses), page indices, cache_leftpad, cache_batch_idx, rotary table length, and that no two
-    batch rows append into the same cache row. A call that fails raises and writes nothing.
+    addresses), page indices, cache_leftpad, cache_batch_idx, rotary table length, that no two
+    batch rows append into the same cache row, and that no row reads a page row another appends to
+    (the launch that appends also reads). A call that fails raises and writes nothing.
 
     The runs on one CUDA stream share the split partials, allocated at the first run there (a stream
     runs them in order; a model's layers are); runs on different streams have their own. float32
@@ -695,12 +696,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Checks: shapes, dtypes and devices always; and the index values - cache overflow (an append or
     cache_seqlens beyond the cache, or beyond what block_table addresses), page indices,
     cache_leftpad, cache_batch_idx, the rotary table's length, no two rows appending into one cache
-    row - read on the host: a CUDA index tensor is copied to the host once per tensor and version
-    (the layers of a decoding step that pass the same tensors share one copy and one plan; KVCache's
-    tensors need no copy). Index tensors made under torch.inference_mode have no version counter,
-    so each call reads (a device sync) and checks them again: a serving loop under inference_mode
-    plans with DecodePlan instead. A call that fails a check raises ValueError naming the argument
-    and writes nothing.
+    row, no row reading a page row that another appends to - read on the host: a CUDA index tensor
+    is copied to the host once per tensor and version (the layers of a decoding step that pass the
+    same tensors share one copy and one plan; KVCache's tensors need no copy). Index tensors made
+    under torch.inference_mode have no version counter, so each call reads (a device sync) and
+    checks them again: a serving loop under inference_mode plans with DecodePlan instead. A call
+    that fails a check raises ValueError naming the argument and writes nothing.
     Under CUDA-graph capture (or torch.compile) nothing is read on the host, so the values are not
     checked; the kernels then clamp every index into the given tensors, as DecodePlan describes: a
     row with out-of-range indices gets a meaningless output and its out-of-range new keys are not

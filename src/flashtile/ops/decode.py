@@ -119,8 +119,8 @@ def _append_rows(KNew, VNew, K, V, table, n_cache, t_first, t_last, capacity, ca
         offs_t = t0 + tl.arange(0, BLOCK_T)
         pos = n_cache + offs_t
         ok = (offs_t < t_last) & (pos >= 0) & (pos < capacity) & rows_ok
-        ok, k_rows, v_rows = _cache_rows(pos, n_cache + t0, ok, table, cache_rows, stride_kb, stride_kn, stride_vb, stride_vn,
-                                         stride_tp, PAGE_SIZE, False)
+        ok, k_rows, v_rows = _cache_rows(pos, n_cache + t0, ok, table, cache_rows, stride_kb, stride_kn, stride_vb,
+                                         stride_vn, stride_tp, PAGE_SIZE, False)
         mask = ok[:, None]
         if not EVEN_D:
             mask = mask & (offs_d[None, :] < HEAD_DIM)
