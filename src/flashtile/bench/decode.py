@@ -429,12 +429,14 @@ def sweep(args) -> dict:
     return {"env": harness.environment(), "dtype": args.dtype, "rows": rows}
 
 
-EAGER_LINES = ("flashtile", "flashtile-plan", "sdpa-gqa")  # drawn twice: device time and eager
+EAGER_LINES = ("flashtile", "flashtile-plan", "sdpa-gqa", "flashtile-append", "sdpa-gqa-append")  # + eager time
+ZOOM = ("read-floor", "sdpa-gqa", "flashtile", "flashtile-plan", "flashtile-page16", "flashtile-page64",
+        "sdpa-gqa-append", "flashtile-append", "flashtile-page16-append")  # the right panel of decode_latency.png
 
 
 def plot(json_path: str, out_dir: str) -> list[str]:
-    """decode_latency.png (microseconds vs context, seed shapes: device time, and eager time for
-    EAGER_LINES), decode_bandwidth.png (GB/s per shape against the copy ceiling) and decode_sq.png
+    """decode_latency.png (microseconds vs context, seed shapes: device time of every implementation,
+    then ZOOM's with eager time for EAGER_LINES), decode_bandwidth.png (GB/s per shape against the copy ceiling) and decode_sq.png
     (device and eager time against query rows per sequence), from decode.json."""
     import matplotlib
 
@@ -451,26 +453,35 @@ def plot(json_path: str, out_dir: str) -> list[str]:
     env, copy = data["env"], data["ceilings"]["copy_GBps"]
     title = f"{data['dtype']}, d={data['headdim']} — {env['gpu']}, torch {env['torch']}, triton {env['triton']}"
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, name in enumerate(impls):
+    colors = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(IMPLS)}
+    batches = sorted({(r["context"], r["batch"]) for r in rows if r["nheads"] == 16})
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for name in impls:
         mine = [r for r in rows if r["impl"] == name and r["nheads"] == 16]
         pts = sorted((r["context"], dev[id(r)]) for r in mine)
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                        linewidth=2.5 if name == "flashtile" else 1.2)
+        wide = 2.5 if name == "flashtile" else 1.2
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=colors[name], linewidth=wide)
+        if name not in ZOOM:
+            continue
+        zoom.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=colors[name], linewidth=wide)
         if name in EAGER_LINES:  # the same calls back to back from Python: host time included
             pts = sorted((r["context"], r["loop_us"]) for r in mine if "loop_us" in r)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", linewidth=1,
-                    color=line.get_color(), label=f"{name} eager (Python loop)")
-    batches = sorted({(r["context"], r["batch"]) for r in rows if r["nheads"] == 16})
-    ax.set_xscale("log", base=2)
+            zoom.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", linewidth=1, color=colors[name],
+                      label=f"{name} eager (Python loop)")
+    for a in (ax, zoom):
+        a.set_xscale("log", base=2)
+        a.set_xticks([c for c, _ in batches], [f"{c}\nb={b}" for c, b in batches], fontsize=7)
+        a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        a.set_xlabel("context length (batch)")
+        a.grid(alpha=0.3, which="both")
     ax.set_yscale("log")
-    ax.set_xticks([c for c, _ in batches], [f"{c}\nb={b}" for c, b in batches], fontsize=7)
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set_xlabel("context length (batch)")
-    ax.set_ylabel("µs per decoding step: device time from CUDA graphs (median); dashed: eager")
-    ax.set_title(f"Decoding, 16 q / 2 kv heads\n{title}", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("µs per decoding step (device time from CUDA graphs, median)")
+    ax.set_title("every implementation", fontsize=9)
+    ax.legend(fontsize=7)
+    zoom.set_ylabel("µs per decoding step: device time; dashed: eager (best Python loop)")
+    zoom.set_title("the peers a serving loop picks from, device and eager", fontsize=9)
+    zoom.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Decoding, 16 q / 2 kv heads — {title}", fontsize=9)
     fig.tight_layout()
     paths = [os.path.join(out_dir, "decode_latency.png")]
     fig.savefig(paths[0], dpi=90)
