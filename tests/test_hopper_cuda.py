@@ -11,7 +11,7 @@ import torch
 
 from flashtile.bench.harness import capture
 from flashtile.ops import backward, configs, forward
-from prefill_check import check_dq_accumulates, check_prefill, make_qkv
+from prefill_check import check_dq_accumulates, check_past_65535_heads, check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
 
@@ -215,3 +215,10 @@ def test_backward_cuda_graph(hopper_backward_launches):
         assert torch.equal(captured[1], dk) and torch.equal(captured[2], dv)
         torch.testing.assert_close(captured[0], dq, atol=2e-3, rtol=1e-2)
     assert hopper_backward_launches
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_batch_times_heads_past_65535(hopper_launches, hopper_backward_launches, causal):
+    """The Hopper forward and backward take batch and heads on two grid axes: 4100 x 16 heads."""
+    check_past_65535_heads(128, 64, causal, exact=False)
+    assert hopper_launches and hopper_backward_launches

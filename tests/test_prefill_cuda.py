@@ -5,7 +5,7 @@ import torch
 
 import flashtile
 from flashtile.bench.harness import capture
-from prefill_check import check_prefill, make_qkv
+from prefill_check import check_past_65535_heads, check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
 
@@ -23,6 +23,13 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 def test_grid(d, sq, sk, dtype, causal, heads):
     h, hk = heads
     check_prefill(2, sq, sk, h, hk, d, dtype, "cuda", causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_batch_times_heads_past_65535(causal):
+    """The Triton kernels (64 rows, d=64: below the Hopper kernels' lengths) with batch x heads past
+    a grid axis; causal runs the dK/dV launch's head-chunked 1-D grid, full its 2-D one."""
+    check_past_65535_heads(64, 64, causal)
 
 
 def test_fp32_ieee():

@@ -98,7 +98,9 @@ def block_range(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, n_i
 
 @triton.jit
 def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """(start_m, bh, b, h, hk) of a program of a (Q block, batch x head) grid.
+    """(start_m, bh, b, h, hk) of a program of a (Q block, head, batch) grid: batch x heads may
+    pass the 65535 programs a grid's y axis holds (batch and heads each stay within it, as in
+    flash-attn); bh = b * nheads + h, launched in that order.
 
     With HEAVY_LAST (a right-bounded mask, e.g. causal) the last Q blocks see the most keys, so
     program 0 takes the last block: the long programs start first and the short ones fill the tail.
@@ -106,7 +108,7 @@ def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constex
     pid_m = tl.program_id(0)
     if HEAVY_LAST:
         pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
     h = bh % nheads
     return pid_m * BLOCK_M, bh, bh // nheads, h, h // group  # hk: the K/V head of query head h
 
@@ -115,7 +117,8 @@ def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constex
 def head_chunked_order(n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
     """(program, head) of this program of a grid of n_programs x n_heads programs.
 
-    HEAD_CHUNK = 1: grid (n_programs, n_heads), launched one head after the other. Otherwise a 1D
+    HEAD_CHUNK = 1: grid (n_programs, heads, batch) with n_heads = batch x heads, launched one
+    head after the other (the y axis holds 65535 programs, batch x heads may need more). Otherwise a 1D
     grid launched in chunks of HEAD_CHUNK heads: program 0 of each head of the chunk, then
     program 1 of each, and so on. Under a causal mask program 0 is the longest (callers order them
     so), so a chunk runs its long programs first, where one head at a time would start the long
@@ -124,7 +127,7 @@ def head_chunked_order(n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
     program at d=64, which halved its occupancy at 8 warps; hence the plain 2D grid for 1.)
     """
     if HEAD_CHUNK == 1:
-        return tl.program_id(0), tl.program_id(1)
+        return tl.program_id(0), tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
     lin = tl.program_id(0)
     per_chunk = HEAD_CHUNK * n_programs
     chunk = lin // per_chunk

@@ -59,7 +59,7 @@ def _delta_kernel(Out, dOut, Delta, Lse, Lse2, stride_ob, stride_om, stride_oh, 
     domain into Lse2, laid out alike, +inf past sq and where a row saw no key (P = 0 there): what
     the Hopper backward's loader copies in without masks."""
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # grid (row blocks, heads, batch)
     b = bh // nheads
     h = bh % nheads
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -495,7 +495,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         pre = configs.delta_config(d, q.device)
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
         rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
-        launch(_delta_kernel, (cdiv(rows, pre.block_m), n * h), (out, dout, delta, None, None),
+        launch(_delta_kernel, (cdiv(rows, pre.block_m), h, n), (out, dout, delta, None, None),
                (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, d), pre.num_warps,
                pre.num_stages, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d, WRITE_LSE2=False)
 
@@ -522,7 +522,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         if n == 0:
             return
         chunk = chunk if causal else 1  # equal-length programs need no reordering
-        grid = (n, b * hk) if chunk == 1 else (n * b * hk,)
+        grid = (n, hk, b) if chunk == 1 else (n * b * hk,)
         launch(_bwd_kernel, grid, tensors, (*scalars, n), block.num_warps, block.num_stages,
                launch_pdl=pdl and parts["DKDV"], HEAD_CHUNK=chunk, PDL=pdl, **parts, **flags)
 
@@ -686,8 +686,8 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HALF_N: gl.constexpr = k_desc.block_type.shape[1]
     start_n = gl.program_id(0) * 2 * HALF_N
-    b = gl.program_id(1) // nheads_k
-    hk = gl.program_id(1) % nheads_k
+    b = gl.program_id(2)  # grid (key blocks, kv heads, batch)
+    hk = gl.program_id(1)
     group = nheads // nheads_k
     diag_offset = sk - sq
     # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
@@ -756,7 +756,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     rows_pad = cdiv(sq, cfg.block_m) * cfg.block_m
     stats = torch.empty((2, b * h * rows_pad), dtype=torch.float32, device=q.device)  # log2 LSE, delta
     pre = configs.delta_config(d, q.device)
-    launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), b * h), (out, dout, stats[1], lse, stats[0]),
+    launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), h, b), (out, dout, stats[1], lse, stats[0]),
            (*out.stride(), *dout.stride(), h, sq, rows_pad, d), pre.num_warps, pre.num_stages,
            BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True)
     if delta is not None:  # the caller's copy, shaped like lse
@@ -764,7 +764,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
     half_n = cfg.block_n // 2
-    _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), b * hk)](
+    _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
         box_descriptor(q, cfg.block_m), box_descriptor(dout, cfg.block_m), box_descriptor(k, half_n),
         box_descriptor(v, half_n), *rows, box_descriptor(dk, half_n), box_descriptor(dv, half_n),
         box_descriptor(dq_acc, cfg.block_m, d // 2),

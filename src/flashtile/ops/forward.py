@@ -251,7 +251,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
                                                sink):
         _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right)
         return out, lse
-    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), b * h), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
+    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
             stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
             qk_scale, softcap, threshold, dropout_scale, d),
@@ -484,7 +484,7 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
     each); cfg.num_stages K/V buffers."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    grid = (cdiv(sq, cfg.block_m), b * h)
+    grid = (cdiv(sq, cfg.block_m), h, b)
     _fwd_kernel_sm90[grid](out, lse, box_descriptor(q, cfg.block_m // 2), box_descriptor(k, cfg.block_n),
                            box_descriptor(v, cfg.block_n), out.stride(0), out.stride(1), out.stride(2),
                            h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
