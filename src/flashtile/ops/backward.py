@@ -681,13 +681,14 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Grid: (key blocks of 128, batch x K/V heads); key block 0 first, the longest with a causal
+    """Grid: (key blocks of 128, K/V heads, batch); key block 0 first, the longest with a causal
     mask. rows_pad: rows per head of the LSE and delta buffers (a multiple of the Q block)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HALF_N: gl.constexpr = k_desc.block_type.shape[1]
     start_n = gl.program_id(0) * 2 * HALF_N
-    b = gl.program_id(2)  # grid (key blocks, kv heads, batch)
-    hk = gl.program_id(1)
+    bhk = gl.program_id(2) * nheads_k + gl.program_id(1)  # grid (key blocks, kv heads, batch)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
     group = nheads // nheads_k
     diag_offset = sk - sq
     # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
