@@ -423,9 +423,9 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
     of pages of page_size rows, capacity = max_pages * page_size, cache_rows = pages in k_cache.
     leftpad (b,): the first position a row reads. The rotary tables (rotary_len positions) must
     reach lengths + rotary_reach. Besides bounds, no cache row may be appended to twice (one write
-    would replace the other), nor appended to by one batch row and read by another (the kernel that
-    appends reads its new keys from k and v, so the other row would race the write); pages shared
-    for reading, as prefix caches do, are fine.
+    would replace the other), nor appended to by one batch row and read by another (the launch
+    that appends also attends, so the other row would race the write); pages shared for reading,
+    as prefix caches do, are fine.
 
     Every argument is a CPU tensor, read as a numpy array: one vectorised pass each, no loop over
     rows (serving batches hold hundreds), and numpy's ~1 us per operation on small arrays against

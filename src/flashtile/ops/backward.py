@@ -686,7 +686,10 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HALF_N: gl.constexpr = k_desc.block_type.shape[1]
     start_n = gl.program_id(0) * 2 * HALF_N
-    bhk = gl.program_id(2) * nheads_k + gl.program_id(1)  # grid (key blocks, kv heads, batch)
+    # grid (key blocks, kv heads, batch). b and hk by div / mod of one index, as when the grid was
+    # (key blocks, batch x kv heads): reading them off the z and y axes measured 407 against 414
+    # TFLOP/s at d=64 causal 16k (benchmarks/results/h100/NOTES.md, "Batch x heads past 65535")
+    bhk = gl.program_id(2) * nheads_k + gl.program_id(1)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     group = nheads // nheads_k

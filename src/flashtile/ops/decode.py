@@ -79,7 +79,6 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
 _LENGTHS = ("seqlen_const", "capacity")
 
 
-
 @triton.jit
 def _cache_rows(pos, first, ok, table, cache_rows, stride_kb, stride_kn, stride_vb, stride_vn, stride_tp,
                 PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr):
@@ -178,9 +177,9 @@ def _split_kernel(
     cache_leftpad to [0, cache_seqlens], key positions to [0, capacity); a page index outside
     k_cache (cache_rows pages) masks its keys, and a cache_batch_idx outside k_cache (cache_rows
     sequences) leaves its row with no keys. New rows at positions outside [0, capacity), on pages
-    outside k_cache or of a sequence outside it are not written. Such rows
-    get an output that means nothing, but nothing outside the cache, the page table or the rotary
-    tables is read or written.
+    outside k_cache or of a sequence outside it are not written. Such rows get an output that
+    means nothing, but nothing outside the cache, the page table or the rotary tables is read or
+    written.
     """
     split = tl.program_id(0)
     kh = tl.program_id(1) // m_blocks
@@ -597,8 +596,6 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, k=None, v=None, want_
     the attention sink (h,) contiguous, given exactly when the plan was made with has_sink."""
     if (sink is not None) != p.has_sink:
         raise ValueError(f"this decoding launch was planned {'with' if p.has_sink else 'without'} an attention sink")
-    if (k is not None) != (p.seqlen_new > 0):
-        raise ValueError(f"this decoding launch was planned for {p.seqlen_new} new keys per sequence")
     device = q.device
     out = torch.empty(p.out_shape, dtype=q.dtype, device=device)
     if want_lse:
