@@ -117,7 +117,8 @@ def compile_hopper_forward(d: int, causal: bool):
     cfg = configs.hopper_forward_tiles(d)
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
-    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages)
+    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
+                 Q_STAGES=configs.hopper_forward_q_stages(d))
     boxes = dict(q_desc=cfg.block_m // 2, k_desc=cfg.block_n, v_desc=cfg.block_n)
     signature = {}
     for n in names:
@@ -127,7 +128,7 @@ def compile_hopper_forward(d: int, causal: bool):
             layout = forward.tma_box_layout(boxes[n], d, torch.bfloat16)
             signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
         else:
-            signature[n] = {"Out": "*bf16", "Lse": "*fp32", "qk_scale": "fp32"}.get(n, "i32")
+            signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "qk_scale": "fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))

@@ -46,12 +46,16 @@ def test_uneven_head_dim_detected_as_scalar():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_forward_compiles_for_sm90(d, causal):
-    """The Gluon forward compiles for sm_90a without spills, with its register split (consumers 240,
-    loader 24), inside the SM's 227 KB of shared memory, and with its wgmmas asynchronous: ptxas
-    serialises them all (info C7514) when an accumulator is read while its product may still be
-    in flight, which cost 12-20% of the TFLOP/s on the H100 before the first S got its own wait."""
+    """The Gluon forward compiles for sm_90a with its register split (consumers 240, loader 24),
+    inside the SM's 227 KB of shared memory, and with its wgmmas asynchronous: ptxas serialises
+    them all (info C7514) when an accumulator is read while its product may still be in flight,
+    which cost 12-20% of the TFLOP/s on the H100 before the first S got its own wait. Spills: at
+    most 208 bytes, the persistent loop's per-tile scalars (a consumer stores them before a tile's
+    first S and reloads them after it, once per tile; the K/V loop has none); the kernel before
+    the persistent grid had none, and 3-10% less TFLOP/s at d=128 (NOTES.md "Persistent Hopper
+    forward")."""
     report = memory_ops("forward-sm90", d, *(["--causal"] if causal else []))
-    assert report["spill_bytes"] == 0, report
+    assert report["spill_bytes"] <= 208, report
     assert not report["wgmma_serialised"], report
     assert {24, 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report

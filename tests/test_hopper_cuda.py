@@ -51,6 +51,24 @@ def test_window(hopper_launches, window, lengths, d, dtype):
     assert hopper_launches
 
 
+@pytest.mark.parametrize("case", [
+    dict(lengths=(4096, 1024), causal=True),  # the first 24 of 32 row blocks see no key
+    dict(lengths=(1024, 4096), causal=True),
+    dict(lengths=(1500, 1500), window=(200, 0)),
+    dict(lengths=(1000, 1300), causal=False),
+], ids=["causal-sq>sk", "causal-sq<sk", "window", "full"])
+def test_few_programs_many_tiles(hopper_launches, monkeypatch, case):
+    """The persistent grid with 3 programs: each walks tens of tiles of different lengths (empty
+    ones included), carrying the K/V ring's and Q's barrier phases from tile to tile; the tile
+    counter is back to 0 after each launch."""
+    monkeypatch.setattr(configs, "num_sms", lambda device: 3)
+    for _ in range(2):
+        check_prefill(2, *case["lengths"], 4, 2, 128, torch.bfloat16, "cuda", causal=case.get("causal", False),
+                      window=case.get("window", (-1, -1)), backward=False)
+        assert forward.tile_counter(torch.device("cuda")).item() == 0
+    assert hopper_launches
+
+
 def test_strided_out(hopper_launches):
     """out a view into a wider buffer: the epilogue's pointer stores take its strides."""
     q, k, v = make_qkv(2, 600, 600, 4, 2, 128, torch.bfloat16, "cuda")

@@ -277,12 +277,12 @@ def _graph_us(fn, q, buffers, **bench) -> float:
 
 def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
     """The num_splits flashtile's heuristic picks for this shape (recorded with each row)."""
-    from flashtile.ops import _launch, configs, decode
+    from flashtile.ops import _launch, configs
 
     cfg = configs.decode_config(sq * h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE))
     m_blocks = _launch.cdiv(sq * h // hk, cfg.block_m)
     return configs.decode_num_splits(batch * hk * m_blocks, context, cfg.block_n,
-                                     decode._num_sms(torch.device(DEVICE)))
+                                     configs.num_sms(torch.device(DEVICE)))
 
 
 def run(args, path: str | None = None) -> dict:

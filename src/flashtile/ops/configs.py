@@ -90,6 +90,12 @@ def hopper_forward_tiles(d: int) -> BlockConfig:
     return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(128, 128, 4, 2)
 
 
+def hopper_forward_q_stages(d: int) -> int:
+    """Q buffers of the Hopper forward: two let the next tile's Q come in while this tile runs;
+    at d=256 one (two Q tiles of 64 KB beside the 128 KB K/V ring pass the SM's 227 KB)."""
+    return 1 if d == 256 else 2
+
+
 def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seqlen_q: int) -> BlockConfig | None:
     """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs).
 
@@ -213,6 +219,14 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 8  # >= 8 key tiles per split (see decode_num_spli
 DECODE_FUSED_MAX_SPLITS = 8  # the split kernel merges up to this many splits itself (decode_fuse_combine)
 DECODE_MERGE_UNROLL = 4  # splits whose partial tiles the fused merge loads at once
 NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same split choices
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (NOMINAL_SMS off the GPU)."""
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)  # once per shape: a decoding step spends its host time here otherwise

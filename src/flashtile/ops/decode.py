@@ -28,7 +28,6 @@ _split_kernel), so values the API cannot read (CUDA-graph capture) never reach o
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -430,13 +429,6 @@ def _combine_kernel(
 # launchers add the layer's tensors
 # --------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return configs.NOMINAL_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def prepare_combine(num_splits: int, d: int, rows: tuple, strides: tuple, has_sink: bool = False) -> Prepared:
     """The merge of partials (S, n0, n1, n2, d) / (S, n0, n1, n2) into out (n0, n1, n2, d) / lse
     (n0, n1, n2), rows = (n0, n1, n2); strides = the four tensors' strides in those dim orders, and
@@ -522,7 +514,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     m_blocks = cdiv(sq * group, cfg.block_m)
     if num_splits == 0:
         num_splits = configs.decode_num_splits(b * hk * m_blocks, capacity if max_keys is None else max_keys,
-                                               cfg.block_n, _num_sms(device))
+                                               cfg.block_n, configs.num_sms(device))
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     if rotary_cos is None:
         rotary_dim, rotary_len, rotary_strides = 0, 0, (0, 0, 0, 0)

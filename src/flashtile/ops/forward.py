@@ -31,7 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 
 from flashtile import _checks
 from flashtile.ops import configs
-from flashtile.ops._launch import cdiv, launch
+from flashtile.ops._launch import cdiv, current_stream, launch
 from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, dropout_keep,
                                    dropout_seed, fold_sink, head_dim_mask, kernel_scale, load_tile_pair, lse_row_base, page_of,
                                    q_block_program, scores_log2, seq_bounds, visible)
@@ -266,9 +266,11 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # ----------------------------------------------------------------------------------------------
 # Hopper (sm_90) variant in Gluon: the same algorithm, with what Hopper adds made explicit.
 #
-# A program takes 2 x 64 query rows. A one-warp loader partition brings Q once and K/V blocks
-# through a ring of NUM_STAGES shared buffers with TMA (ready barriers per buffer and operand;
-# empty barriers both consumers release, K's after its S = Q K^T and V's after its P V). Two
+# Persistent: one program per SM walks tiles of 2 x 64 query rows, taking each next tile from a
+# counter, so a tile's epilogue runs under the next tile's loads. A one-warp loader partition
+# brings each tile's Q (into one of Q_STAGES buffers) and its K/V blocks through a ring of
+# NUM_STAGES shared buffers with TMA (ready barriers per buffer and operand; empty barriers both
+# consumers release, K's after its S = Q K^T, V's after its P V and Q's after the tile's last S). Two
 # consumer warpgroups (the default partition and a worker) each run the online softmax of their
 # 64 rows on wgmma accumulators, independently, so the warp scheduler runs one's softmax under the
 # other's matrix products. Within a warpgroup S_j = Q K_j^T is issued asynchronously before the
@@ -286,29 +288,95 @@ HOPPER_LOADER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _fwd_sm90_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                   b, h, hk, start_m, lo, n_blocks):
-    """Loader partition: both Q halves, then K_j and V_j into buffer j % NUM_STAGES once both
-    consumers have freed it. A program that sees no key loads nothing (nobody would wait for it,
-    and the program must not end with copies into its shared memory in flight)."""
+def _fwd_sm90_tile(tile, n_m, nheads, group, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Tile `tile` of the persistent grid: (start_m, b, h, hk, lo, full_lo, full_hi, n_blocks).
+    Tiles go in the Triton kernel's launch order (row blocks, then heads, then batch), so the
+    programs working at once share a few heads' K/V in L2; under a right-bounded mask a head's
+    last row block, which sees the most keys, comes first (q_block_program's HEAVY_LAST)."""
+    pid_m = tile % n_m
+    if HAS_RIGHT:
+        pid_m = n_m - 1 - pid_m
+    bh = tile // n_m
+    h = bh % nheads
+    start_m = pid_m * BLOCK_M
+    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, sk - sq, left, right, HAS_LEFT, HAS_RIGHT)
+    return start_m, bh // nheads, h, h // group, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
+
+
+@gluon.jit
+def _fwd_sm90_fetch(TileCounter, tile_ids, tile_ready, tile_free, n, n_tiles):
+    """Loader: this program's next tile, handed to the consumers through slot n % 2 of tile_ids.
+    Programs start on tile program_id and then take grid + (the launch's counter, post-
+    incremented): the GPU balances the tiles of a causal mask, whose lengths a static order
+    would deal out unevenly. A launch adds to its counter n_tiles times in all (n_tiles - grid
+    tiles, then one past the end per program), so the add that reads n_tiles - 1 is its last and
+    puts the counter back to 0 for the next launch on this stream."""
+    old = gl.atomic_add(TileCounter, 1)
+    if old == n_tiles - 1:
+        gl.store(TileCounter, 0)
+    slot = n % 2
+    mbarrier.wait(tile_free.index(slot), ((n // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile_ids.index(slot).store(gl.full([1], gl.num_programs(0) + old, gl.int32, layout))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+    return gl.num_programs(0) + old
+
+
+@gluon.jit
+def _fwd_sm90_next(tile_ids, tile_ready, tile_free, n):
+    """Consumer: the next tile, from slot n % 2 of tile_ids (_fwd_sm90_fetch)."""
+    slot = n % 2
+    mbarrier.wait(tile_ready.index(slot), (n // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile = gl.max(tile_ids.index(slot).load(layout), 0)
+    gl.thread_barrier()  # every warp of the partition has read the slot before it is freed
+    mbarrier.arrive(tile_free.index(slot), count=1)
+    return tile
+
+
+@gluon.jit
+def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                   k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group, sq, sk, left, right,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Loader partition, tile after tile: both Q halves once both consumers are done with the
+    previous tile's (its last S is computed; its last P V and output run under this copy), then
+    K_j and V_j into ring slot it % NUM_STAGES once both consumers have freed it (`it` counts K/V
+    blocks across tiles). A tile whose rows see no key loads nothing: nobody would wait for it,
+    and the program must not end with copies into its shared memory in flight."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    Q_STAGES: gl.constexpr = q_bar.shape[0]
     HALF_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    if n_blocks > 0:
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar, q_bufs.index(0))
-        tma.async_copy_global_to_shared(q_desc, [b, start_m + HALF_M, h, 0], q_bar, q_bufs.index(1))
-    for j in range(n_blocks):
-        stage = j % NUM_STAGES
-        # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
-        free = ((j // NUM_STAGES) & 1) ^ 1
-        row = lo + j * BLOCK_N
-        mbarrier.wait(k_empty.index(stage), free)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, row, hk, 0], k_ready.index(stage), k_bufs.index(stage))
-        mbarrier.wait(v_empty.index(stage), free)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, row, hk, 0], v_ready.index(stage), v_bufs.index(stage))
+    it = 0
+    q_loads = 0
+    n = 0
+    tile = gl.program_id(0)
+    while tile < n_tiles:
+        start_m, b, h, hk, lo, full_lo, full_hi, n_blocks = _fwd_sm90_tile(
+            tile, n_m, nheads, group, sq, sk, left, right, 2 * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        if n_blocks > 0:
+            # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
+            qs = q_loads % Q_STAGES
+            mbarrier.wait(q_empty.index(qs), ((q_loads // Q_STAGES) & 1) ^ 1)
+            mbarrier.expect(q_bar.index(qs), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar.index(qs), q_bufs.index(2 * qs))
+            tma.async_copy_global_to_shared(q_desc, [b, start_m + HALF_M, h, 0], q_bar.index(qs),
+                                            q_bufs.index(2 * qs + 1))
+            q_loads += 1
+        for j in range(n_blocks):
+            stage = it % NUM_STAGES
+            free = ((it // NUM_STAGES) & 1) ^ 1
+            row = lo + j * BLOCK_N
+            mbarrier.wait(k_empty.index(stage), free)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, row, hk, 0], k_ready.index(stage), k_bufs.index(stage))
+            mbarrier.wait(v_empty.index(stage), free)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, row, hk, 0], v_ready.index(stage), v_bufs.index(stage))
+            it += 1
+        tile = _fwd_sm90_fetch(TileCounter, tile_ids, tile_ready, tile_free, n, n_tiles)
+        n += 1
 
 
 @gluon.jit
@@ -333,13 +401,14 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 
 
 @gluon.jit
-def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, half,
-                      b, h, start_m, lo, n_blocks, full_lo, full_hi, nheads, sq, sk, diag_offset, left, right,
-                      qk_scale, stride_ob, stride_om, stride_oh,
+def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                      tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """A consumer warpgroup: rows start_m + half * HALF_M onwards over key blocks lo, lo + BLOCK_N,
-    ..., then its part of the output and the LSE (the Triton kernel's epilogue)."""
+    """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
+    lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
+    while the loader brings the next tile's Q and first K/V blocks."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    Q_STAGES: gl.constexpr = q_bar.shape[0]
     HALF_M: gl.constexpr = q_bufs.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[2]
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -349,96 +418,118 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
                                                        instr_shape=[16, BLOCK_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
-    row0 = start_m + half * HALF_M
-    q = q_bufs.index(half).reshape([HALF_M, BLOCK_D])
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): S's layout
-    acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
-    if n_blocks > 0:
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        k = k_bufs.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
-        s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-        p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
-                                              left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
-        mbarrier.arrive(k_empty.index(0), count=1)
-        for j in range(1, n_blocks):
-            stage = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+    diag_offset = sk - sq
+    it = 0
+    q_loads = 0
+    n = 0
+    tile = gl.program_id(0)
+    while tile < n_tiles:
+        start_m, b, h, hk, lo, full_lo, full_hi, n_blocks = _fwd_sm90_tile(
+            tile, n_m, nheads, group, sq, sk, left, right, 2 * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        row0 = start_m + half * HALF_M
+        acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        if n_blocks > 0:
+            qs = q_loads % Q_STAGES
+            mbarrier.wait(q_bar.index(qs), (q_loads // Q_STAGES) & 1)
+            q = q_bufs.index(2 * qs + half).reshape([HALF_M, BLOCK_D])
+            stage = it % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
             k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
             s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-            v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
-            o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-            p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                  sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 1)
+            p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
+                                                  left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
             mbarrier.arrive(k_empty.index(stage), count=1)
-            # P_{j-1} is a register operand of the product in flight: it stays untouched until the
-            # product is done
+            for j in range(1, n_blocks):
+                prev = (it + j - 1) % NUM_STAGES
+                stage = (it + j) % NUM_STAGES
+                mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+                s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
+                o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
+                                                      sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 1)
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                # P_{j-1} is a register operand of the product in flight: it stays untouched until the
+                # product is done
+                acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            mbarrier.arrive(q_empty.index(qs), count=1)  # every S of the tile is done: its Q buffer is free
+            last = (it + n_blocks - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // NUM_STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            o_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        last = (n_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(last), count=1)
+            it += n_blocks
+            q_loads += 1
 
-    # Rows that saw no key: l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
-    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    empty = l_i == 0.0
-    out = acc / gl.where(empty, 1.0, l_i)[:, None]
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
-    offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-              + offs_m[:, None].to(gl.int64) * stride_om + offs_d[None, :])
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < sq)
-    gl.store(Lse + (b * nheads + h).to(gl.int64) * sq + offs_m, lse, mask=offs_m < sq)
+        # Rows that saw no key: l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        empty = l_o == 0.0
+        out = acc / gl.where(empty, 1.0, l_o)[:, None]
+        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * LN2)
+        offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                  + offs_m[:, None].to(gl.int64) * stride_om + offs_d[None, :])
+        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < sq)
+        gl.store(Lse + (b * nheads + h).to(gl.int64) * sq + offs_m, lse, mask=offs_m < sq)
+        tile = _fwd_sm90_next(tile_ids, tile_ready, tile_free, n)
+        n += 1
 
 
-@gluon.jit(do_not_specialize=["sq", "sk", "left", "right"])
-def _fwd_kernel_sm90(Out, Lse, q_desc, k_desc, v_desc, stride_ob, stride_om, stride_oh,
-                     nheads, group, sq, sk, left, right, qk_scale,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr):
-    BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, HAS_RIGHT)
-    diag_offset = sk - sq
-    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
-                                           HAS_LEFT, HAS_RIGHT)
-    n_blocks = gl.cdiv(hi - lo, BLOCK_N)
-
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+@gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right"])
+def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, stride_ob, stride_om, stride_oh,
+                     n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     Q_STAGES: gl.constexpr):
+    """Persistent: a program per SM works through the n_m x heads x batch row blocks
+    (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
+    leaves while the next one's Q and K/V come in."""
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_STAGES):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_free.index(i), count=2)
 
     # the two consumers' arguments are spelled out: a tuple built by concatenation inside the jit
     # function loses the constexpr-ness of HAS_LEFT / HAS_RIGHT
     gl.warp_specialize([
-        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, 0, b, h,
-                             start_m, lo, n_blocks, full_lo, full_hi, nheads, sq, sk, diag_offset, left, right,
+        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
                              qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT)),
-        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, 1, b, h,
-                             start_m, lo, n_blocks, full_lo, full_hi, nheads, sq, sk, diag_offset, left, right,
+        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
                              qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT)),
-        (_fwd_sm90_load, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                          v_empty, b, h, hk, start_m, lo, n_blocks)),
+        (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
+                          v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
+                          sq, sk, left, right, HAS_LEFT, HAS_RIGHT)),
     ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
@@ -479,14 +570,37 @@ def box_descriptor(t, rows: int, cols: int | None = None) -> GluonTensorDescript
                                  tma_box_layout(rows, cols, t.dtype))
 
 
+_TILE_COUNTERS = {}  # (device, CUDA stream) -> the int32 tile counter of _fwd_kernel_sm90's launches there
+
+
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """The tile counter of a Hopper forward launch on the current stream. Eager launches on one
+    stream run one after the other, so they share one, zeroed once and back to 0 at the end of
+    every launch (_fwd_sm90_fetch); launches on different streams never share. Under CUDA-graph
+    capture each launch gets its own, zeroed inside the graph, so graphs replayed side by side
+    (or after a replay that was cut short) never meet a counter another launch is using."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = (index, current_stream(index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
-    """cfg.block_m rows per program in two halves, one per consumer warpgroup (cfg.num_warps = 4
-    each); cfg.num_stages K/V buffers."""
+    """Tiles of cfg.block_m rows in two halves, one per consumer warpgroup (cfg.num_warps = 4
+    each); cfg.num_stages K/V buffers; one program per SM (fewer for fewer tiles)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    grid = (cdiv(sq, cfg.block_m), h, b)
-    _fwd_kernel_sm90[grid](out, lse, box_descriptor(q, cfg.block_m // 2), box_descriptor(k, cfg.block_n),
-                           box_descriptor(v, cfg.block_n), out.stride(0), out.stride(1), out.stride(2),
-                           h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
+    n_m = cdiv(sq, cfg.block_m)
+    n_tiles = n_m * h * b
+    grid = (min(n_tiles, configs.num_sms(q.device)), )
+    _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // 2),
+                           box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n),
+                           out.stride(0), out.stride(1), out.stride(2),
+                           n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
                            HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-                           num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+                           Q_STAGES=configs.hopper_forward_q_stages(d), num_warps=cfg.num_warps,
+                           maxnreg=HOPPER_MAXNREG)
