@@ -1,11 +1,12 @@
 """Time flashtile's prefill forward and backward from two source trees, alternating, in one run.
 
-    python scripts/ab_prefill.py OLD_SRC NEW_SRC [ROUNDS]
+    python scripts/ab_prefill.py OLD_SRC NEW_SRC [ROUNDS] [SHAPES]
 
 Each tree runs in its own process (PYTHONPATH=TREE) over the same shapes, old, new, old, new, ...,
 so a difference between the trees can be told from the run-to-run spread. The shapes are the
 benchmark's (bf16, 16k tokens, heads x d = 2048, the prefill harness's do_bench medians). Prints one
-JSON line per process: [d, causal, seqlen, fwd TFLOP/s, bwd TFLOP/s] per shape.
+JSON line per process: [d, causal, seqlen, fwd TFLOP/s, bwd TFLOP/s] per shape. SHAPES replaces the
+default list: d:causal:seqlen,... (e.g. 128:1:2048,64:0:16384).
 """
 
 import json
@@ -16,14 +17,14 @@ import sys
 SHAPES = [(128, True, 512), (128, True, 1024), (64, True, 16384), (64, True, 1024), (128, False, 2048)]
 
 
-def child(tag: str) -> None:
+def child(tag: str, shapes) -> None:
     import torch
 
     from flashtile.bench import prefill
 
     impl = prefill.implementations(["flashtile"])["flashtile"]
     rows = []
-    for d, causal, s in SHAPES:
+    for d, causal, s in shapes:
         b, h = 16384 // s, 2048 // d
         f = prefill.flops(b, h, s, d, causal)
         fwd, bwd, _, _ = prefill.measure(impl, b, s, h, d, causal, torch.bfloat16)
@@ -33,13 +34,15 @@ def child(tag: str) -> None:
 
 def main() -> None:
     if sys.argv[1] == "--child":
-        return child(sys.argv[2])
+        shapes = [(int(d), c == "1", int(s)) for d, c, s in (x.split(":") for x in sys.argv[3].split(","))]
+        return child(sys.argv[2], shapes)
     old, new = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    shapes = sys.argv[4] if len(sys.argv) > 4 else ",".join(f"{d}:{int(c)}:{s}" for d, c, s in SHAPES)
     for r in range(1, rounds + 1):
         for tag, tree in (("old", old), ("new", new)):
             env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), PYTHONUNBUFFERED="1")
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{tag}{r}"], env=env, check=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{tag}{r}", shapes], env=env, check=True)
 
 
 if __name__ == "__main__":
