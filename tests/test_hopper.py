@@ -137,3 +137,11 @@ def test_deterministic_keeps_the_triton_backward(monkeypatch, how):
     else:
         out.backward(dout)
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_forward_programs():
+    """Persistent (a program per SM) where two Q buffers fit, a program per tile at d=256."""
+    cpu = torch.device("cpu")
+    assert configs.hopper_forward_programs(128, 5000, cpu) == configs.NOMINAL_SMS
+    assert configs.hopper_forward_programs(64, 7, cpu) == 7
+    assert configs.hopper_forward_programs(256, 5000, cpu) == 5000

@@ -97,6 +97,15 @@ def hopper_forward_q_stages(d: int) -> int:
     return 1 if d == 256 else 2
 
 
+def hopper_forward_programs(d: int, n_tiles: int, device: torch.device) -> int:
+    """Programs of the Hopper forward's launch: one per SM, each walking tiles (persistent), where
+    a second Q buffer lets the next tile's loads run under this one; at d=256 (one Q buffer) one
+    per tile, as before the kernel went persistent: persistent with one Q buffer measured d=256
+    2k 579 / 571 TFLOP/s against 623 / 632, 16k 650 / 643 against 647 / 667, causal 16k 646 / 646
+    against 661 / 666 (NOTES.md "Persistent Hopper forward")."""
+    return n_tiles if hopper_forward_q_stages(d) == 1 else min(n_tiles, num_sms(device))
+
+
 def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seqlen_q: int) -> BlockConfig | None:
     """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs).
 

@@ -591,12 +591,13 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
     """Tiles of cfg.block_m rows in two halves, one per consumer warpgroup (cfg.num_warps = 4
-    each); cfg.num_stages K/V buffers; one program per SM (fewer for fewer tiles)."""
+    each); cfg.num_stages K/V buffers; as many programs as configs.hopper_forward_programs says
+    (with one per tile, each program's first fetch ends it)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     n_m = cdiv(sq, cfg.block_m)
     n_tiles = n_m * h * b
-    grid = (min(n_tiles, configs.num_sms(q.device)), )
+    grid = (configs.hopper_forward_programs(d, n_tiles, q.device), )
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // 2),
                            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n),
                            out.stride(0), out.stride(1), out.stride(2),
