@@ -72,14 +72,19 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     keeps the Triton kernel there. Fewer than 128 query rows (decoding steps and short chunks
     through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
     waste less of a short sequence and whose launch is cached (this one goes through Gluon's
-    per-call binder). These thresholds were set before the kernel went persistent (NOTES.md
-    "Persistent Hopper forward": d=128 3-10% faster, d=64 unchanged) and were not swept again.
+    per-call binder). After the kernel went persistent (NOTES.md "Persistent Hopper forward": d=128
+    3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
+    (scripts/ab_hopper_forward.py): non-causal 1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k
+    1.089x, causal 1k 0.884x and 2k 1.043x with rounds at 156 and 172 TFLOP/s (the Triton kernel
+    288-339 in every round). So non-causal d=64 takes it from 1k keys, causal from 4k.
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):
         return None
-    if seqlen_q < 128 or (d == 64 and seqlen_k < 4096) or (d == 256 and causal and seqlen_k < 2048):
+    if seqlen_q < 128 or (d == 64 and seqlen_k < (4096 if causal else 1024)):
+        return None
+    if d == 256 and causal and seqlen_k < 2048:
         return None
     return hopper_forward_tiles(d)
 
