@@ -118,7 +118,7 @@ def compile_hopper_forward(d: int, causal: bool):
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
-                 Q_STAGES=configs.hopper_forward_q_stages(d))
+                 Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d))
     boxes = dict(q_desc=cfg.block_m // 2, k_desc=cfg.block_n, v_desc=cfg.block_n)
     signature = {}
     for n in names:

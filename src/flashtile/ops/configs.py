@@ -102,13 +102,13 @@ def hopper_forward_q_stages(d: int) -> int:
     return 1 if d == 256 else 2
 
 
-def hopper_forward_programs(d: int, n_tiles: int, device: torch.device) -> int:
-    """Programs of the Hopper forward's launch: one per SM, each walking tiles (persistent), where
-    a second Q buffer lets the next tile's loads run under this one; at d=256 (one Q buffer) one
-    per tile, as before the kernel went persistent: persistent with one Q buffer measured d=256
-    2k 579 / 571 TFLOP/s against 623 / 632, 16k 650 / 643 against 647 / 667, causal 16k 646 / 646
-    against 661 / 666 (NOTES.md "Persistent Hopper forward")."""
-    return n_tiles if hopper_forward_q_stages(d) == 1 else min(n_tiles, num_sms(device))
+def hopper_forward_persistent(d: int) -> bool:
+    """Whether the Hopper forward runs persistent (a program per SM walking tiles) or a program per
+    tile: persistent where a second Q buffer lets the next tile's loads run under this one. At
+    d=256 (one Q buffer) persistent measured 2k 579 / 571 TFLOP/s against 623 / 632, 16k 650 / 643
+    against 647 / 667, causal 16k 646 / 646 against 661 / 666 (NOTES.md "Persistent Hopper
+    forward"); there a program per tile skips the tile loop's fetch (PERSISTENT = False)."""
+    return hopper_forward_q_stages(d) == 2
 
 
 def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seqlen_q: int) -> BlockConfig | None:

@@ -338,7 +338,7 @@ def _fwd_sm90_next(tile_ids, tile_ready, tile_free, n):
 @gluon.jit
 def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                    k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr):
     """Loader partition, tile after tile: both Q halves once both consumers are done with the
     previous tile's (its last S is computed; its last P V and output run under this copy), then
     K_j and V_j into ring slot it % NUM_STAGES once both consumers have freed it (`it` counts K/V
@@ -375,7 +375,10 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [b, row, hk, 0], v_ready.index(stage), v_bufs.index(stage))
             it += 1
-        tile = _fwd_sm90_fetch(TileCounter, tile_ids, tile_ready, tile_free, n, n_tiles)
+        if PERSISTENT:
+            tile = _fwd_sm90_fetch(TileCounter, tile_ids, tile_ready, tile_free, n, n_tiles)
+        else:
+            tile = n_tiles  # a program per tile: done
         n += 1
 
 
@@ -402,8 +405,9 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 
 @gluon.jit
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                      tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                      tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
+                      qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks."""
@@ -482,7 +486,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                   + offs_m[:, None].to(gl.int64) * stride_om + offs_d[None, :])
         gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < sq)
         gl.store(Lse + (b * nheads + h).to(gl.int64) * sq + offs_m, lse, mask=offs_m < sq)
-        tile = _fwd_sm90_next(tile_ids, tile_ready, tile_free, n)
+        if PERSISTENT:
+            tile = _fwd_sm90_next(tile_ids, tile_ready, tile_free, n)
+        else:
+            tile = n_tiles
         n += 1
 
 
@@ -490,7 +497,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, stride_ob, stride_om, stride_oh,
                      n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     Q_STAGES: gl.constexpr):
+                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
     leaves while the next one's Q and K/V come in."""
@@ -523,13 +530,13 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, stride_ob, s
     gl.warp_specialize([
         (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                              tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT)),
+                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
         (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                              tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT)),
+                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
         (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                           v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
-                          sq, sk, left, right, HAS_LEFT, HAS_RIGHT)),
+                          sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
     ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
@@ -591,17 +598,18 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
     """Tiles of cfg.block_m rows in two halves, one per consumer warpgroup (cfg.num_warps = 4
-    each); cfg.num_stages K/V buffers; as many programs as configs.hopper_forward_programs says
-    (with one per tile, each program's first fetch ends it)."""
+    each); cfg.num_stages K/V buffers; a program per SM walking tiles where
+    configs.hopper_forward_persistent says so, else a program per tile."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     n_m = cdiv(sq, cfg.block_m)
     n_tiles = n_m * h * b
-    grid = (configs.hopper_forward_programs(d, n_tiles, q.device), )
+    persistent = configs.hopper_forward_persistent(d)
+    grid = (min(n_tiles, configs.num_sms(q.device)) if persistent else n_tiles, )
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // 2),
                            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n),
                            out.stride(0), out.stride(1), out.stride(2),
                            n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
                            HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-                           Q_STAGES=configs.hopper_forward_q_stages(d), num_warps=cfg.num_warps,
-                           maxnreg=HOPPER_MAXNREG)
+                           Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
+                           num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
