@@ -266,7 +266,8 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # ----------------------------------------------------------------------------------------------
 # Hopper (sm_90) variant in Gluon: the same algorithm, with what Hopper adds made explicit.
 #
-# Persistent: one program per SM walks tiles of 2 x 64 query rows, taking each next tile from a
+# Persistent (PERSISTENT; at d=256, whose single Q buffer leaves nothing to overlap, a program per
+# tile): one program per SM walks tiles of 2 x 64 query rows, taking each next tile from a
 # counter, so a tile's epilogue runs under the next tile's loads. A one-warp loader partition
 # brings each tile's Q (into one of Q_STAGES buffers) and its K/V blocks through a ring of
 # NUM_STAGES shared buffers with TMA (ready barriers per buffer and operand; empty barriers both
