@@ -105,10 +105,16 @@ def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constex
     With HEAVY_LAST (a right-bounded mask, e.g. causal) the last Q blocks see the most keys, so
     program 0 takes the last block: the long programs start first and the short ones fill the tail.
     """
-    pid_m = tl.program_id(0)
-    if HEAVY_LAST:
-        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    return q_block_of(tl.program_id(0), tl.num_programs(0), bh, nheads, group, BLOCK_M, HEAVY_LAST)
+
+
+@triton.jit
+def q_block_of(pid_m, n_m, bh, nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(start_m, bh, b, h, hk) of Q block pid_m of n_m in row bh = b * nheads + h (q_block_program's
+    order; the persistent Hopper forward's tiles take the same)."""
+    if HEAVY_LAST:
+        pid_m = n_m - 1 - pid_m
     h = bh % nheads
     return pid_m * BLOCK_M, bh, bh // nheads, h, h // group  # hk: the K/V head of query head h
 

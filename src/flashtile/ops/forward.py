@@ -34,7 +34,7 @@ from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, current_stream, launch
 from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, dropout_keep,
                                    dropout_seed, fold_sink, head_dim_mask, kernel_scale, load_tile_pair, lse_row_base, page_of,
-                                   q_block_program, scores_log2, seq_bounds, visible)
+                                   q_block_of, q_block_program, scores_log2, seq_bounds, visible)
 
 
 @triton.jit
@@ -295,14 +295,9 @@ def _fwd_sm90_tile(tile, n_m, nheads, group, sq, sk, left, right, BLOCK_M: gl.co
     Tiles go in the Triton kernel's launch order (row blocks, then heads, then batch), so the
     programs working at once share a few heads' K/V in L2; under a right-bounded mask a head's
     last row block, which sees the most keys, comes first (q_block_program's HEAVY_LAST)."""
-    pid_m = tile % n_m
-    if HAS_RIGHT:
-        pid_m = n_m - 1 - pid_m
-    bh = tile // n_m
-    h = bh % nheads
-    start_m = pid_m * BLOCK_M
+    start_m, bh, b, h, hk = q_block_of(tile % n_m, n_m, tile // n_m, nheads, group, BLOCK_M, HAS_RIGHT)
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, sk - sq, left, right, HAS_LEFT, HAS_RIGHT)
-    return start_m, bh // nheads, h, h // group, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
+    return start_m, b, h, hk, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
 
 
 @gluon.jit
