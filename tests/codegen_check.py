@@ -138,7 +138,7 @@ def compile_hopper_backward(d: int, causal: bool):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = configs.HOPPER_BACKWARD_TILES
+    cfg = configs.hopper_backward_tiles(d)
     kernel = backward._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages)

@@ -83,7 +83,7 @@ def test_backward_dispatch(sm90, monkeypatch):
     bf16 = torch.bfloat16
     for d in (64, 128):
         for dtype in (bf16, torch.float16):
-            assert configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024) == configs.HOPPER_BACKWARD_TILES
+            assert configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024) == configs.hopper_backward_tiles(d)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
     for d in (32, 96, 256):
         assert configs.hopper_backward_config(d, bf16, CUDA, seqlen_q=4096) is None
@@ -126,7 +126,7 @@ def test_deterministic_keeps_the_triton_backward(monkeypatch, how):
     def record(*args):
         raise Launched
 
-    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: configs.HOPPER_BACKWARD_TILES)
+    monkeypatch.setattr(configs, "hopper_backward_config", lambda d, *a, **kw: configs.hopper_backward_tiles(d))
     monkeypatch.setattr(backward, "_launch_sm90", record)
     q, k, v = (torch.randn(1, 40, 2, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
     if how == "torch.use_deterministic_algorithms":

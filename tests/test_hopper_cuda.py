@@ -145,7 +145,7 @@ def hopper_backward_launches(monkeypatch):
         pytest.skip("the Hopper kernels need sm_90")
     calls = []
     launch = backward._launch_sm90
-    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: configs.HOPPER_BACKWARD_TILES)
+    monkeypatch.setattr(configs, "hopper_backward_config", lambda d, *a, **kw: configs.hopper_backward_tiles(d))
     monkeypatch.setattr(backward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 
@@ -188,11 +188,12 @@ def test_backward_long(hopper_backward_launches):
     assert hopper_backward_launches
 
 
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal):
+def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal, d):
     """accumulate_dq (ring attention's dQ sum): the kernel's reduce-adds, scaled, go into the
     caller's float32 rows (a view of a longer buffer) instead of a buffer of its own."""
-    check_dq_accumulates(2, 700, 900, 8, 2, 128, torch.bfloat16, "cuda", causal=causal)
+    check_dq_accumulates(2, 700, 900, 8, 2, d, torch.bfloat16, "cuda", causal=causal)
     assert len(hopper_backward_launches) == 2
 
 
@@ -201,11 +202,12 @@ def _grads(q, k, v, dout, window, **kw):
     return backward.attention_backward(dout, q, k, v, out, lse, q.shape[-1] ** -0.5, window, **kw)
 
 
-def test_backward_reruns(hopper_backward_launches):
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_backward_reruns(hopper_backward_launches, d):
     """20 reruns: dK and dV (summed in registers) bitwise equal; dQ (summed by TMA reductions in
     whatever order the programs finish) equal to the deterministic path's to fp32 rounding of the
     sum order, well inside the 2x rule."""
-    q, k, v = make_qkv(2, 4096, 4096, 16, 4, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, 4096, 4096, 2048 // d, 4, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     first = _grads(q, k, v, dout, (None, 0))
     for _ in range(20):
@@ -219,10 +221,11 @@ def test_backward_reruns(hopper_backward_launches):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-def test_backward_cuda_graph(hopper_backward_launches):
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_backward_cuda_graph(hopper_backward_launches, d):
     """Captured once, replayed on new inputs: dK, dV bitwise equal to eager calls, dQ to the sum
     order (the fp32 dQ buffer is allocated and zeroed inside the graph)."""
-    q, k, v = make_qkv(2, 2048, 2048, 8, 2, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, 2048, 2048, 8, 2, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     graph, captured = capture(lambda: _grads(q, k, v, dout, (None, 0)))
     for _ in range(3):

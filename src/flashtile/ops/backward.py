@@ -538,9 +538,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # Hopper (sm_90) variant in Gluon: FA2's backward with dQ added up by the copy engine (FA3's
 # design), for calls that do not ask for a deterministic backward.
 #
-# A program owns 128 keys of one K/V head and loops over the Q blocks (64 rows) of its GQA group's
-# heads that can see them. A one-warp loader brings K and V once and Q, dO and the rows' LSE (log2
-# domain) and delta through a ring of NUM_STAGES buffers with TMA. Two consumer warpgroups take 64
+# A program owns 128 keys of one K/V head and loops over the Q blocks (64 rows at d=128, 128 at
+# d=64: configs.hopper_backward_tiles) of its GQA group's heads that can see them. A one-warp
+# loader brings K and V once and Q, dO and the rows' LSE (log2 domain) and delta through a ring
+# of NUM_STAGES buffers with TMA. Two consumer warpgroups take 64
 # keys each and work in the transposed orientation, so P^T and dS^T are register operands of the
 # dV and dK products (FA2's 4 matrix products per block pair, all wgmma). The fifth, dQ += dS K,
 # needs every key of the block: both warpgroups leave dS^T in shared memory, each multiplies it

@@ -127,10 +127,16 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
         return None
     if torch.cuda.get_device_capability(device) != (9, 0) or seqlen_q < 128:
         return None
-    return HOPPER_BACKWARD_TILES
+    return hopper_backward_tiles(d)
 
 
-HOPPER_BACKWARD_TILES = BlockConfig(64, 128, 4, 2)
+def hopper_backward_tiles(d: int) -> BlockConfig:
+    """The Hopper backward's tiles at head dim d (64 or 128): 128 keys per program; Q blocks of 64
+    rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its 240 registers)
+    and of 128 rows at d=64, where half as many steps carry the per-step waits: 1.02-1.09x the
+    64-row blocks' backward at 1k-16k, causal or not (ab_bwd_d64_rows128.txt, two alternating
+    rounds), although ptxas then spills a few loop scalars."""
+    return BlockConfig(128, 128, 4, 2) if d == 64 else BlockConfig(64, 128, 4, 2)
 
 
 def delta_config(d: int, device: torch.device) -> BlockConfig:
