@@ -141,7 +141,8 @@ def compile_hopper_backward(d: int, causal: bool):
     cfg = configs.hopper_backward_tiles(d)
     kernel = backward._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
-    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages)
+    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
+                 DEFER_DQ=configs.hopper_backward_defer_dq(d))
     half_n = cfg.block_n // 2
     boxes = dict(q_desc=(cfg.block_m, d), do_desc=(cfg.block_m, d), k_desc=(half_n, d), v_desc=(half_n, d),
                  dk_desc=(half_n, d), dv_desc=(half_n, d), dq_desc=(cfg.block_m, d // 2))
@@ -201,11 +202,11 @@ def compile_decode(d: int, page_size: int, append: bool):
 
 def ptxas_report(compiled) -> dict:
     """ptxas -v on the kernel's PTX: spill bytes, whether it serialised the wgmmas (info C7514: an
-    accumulator read while its product may be in flight), the setmaxnreg values and the shared
-    memory."""
+    accumulator read while its product may be in flight; C7512: too few registers), the
+    setmaxnreg values and the shared memory."""
     log = _ptxas_log(compiled)
     spills = re.search(r"(\d+) bytes spill stores", log)
-    return {"spill_bytes": int(spills.group(1)) if spills else 0, "wgmma_serialised": "C7514" in log,
+    return {"spill_bytes": int(spills.group(1)) if spills else 0, "wgmma_serialised": "C7514" in log or "C7512" in log,
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                              compiled.asm["ptx"])}),
             "shared_bytes": compiled.metadata.shared}

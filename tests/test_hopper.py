@@ -84,6 +84,7 @@ def test_backward_dispatch(sm90, monkeypatch):
     for d in (64, 128):
         for dtype in (bf16, torch.float16):
             assert configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024) == configs.hopper_backward_tiles(d)
+    assert configs.hopper_backward_defer_dq(64) and not configs.hopper_backward_defer_dq(128)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
     for d in (32, 96, 256):
         assert configs.hopper_backward_config(d, bf16, CUDA, seqlen_q=4096) is None

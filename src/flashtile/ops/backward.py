@@ -593,10 +593,12 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, hk, group, start_n, lo,
                       n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
-    columns of each Q block's dQ."""
-    NUM_STAGES: gl.constexpr = q_bufs.shape[0]
+    columns of each Q block's dQ. DEFER_DQ: step i issues step i-1's dQ product ahead of its own
+    S^T, so that product's trip out (shared memory, TMA reduce-add) runs under S^T; no product is
+    left in flight from one step to the next (ptxas would serialise every wgmma), so the first
+    step is peeled off. Otherwise each step ends with its own dQ."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -607,12 +609,7 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                                         instr_shape=[16, BLOCK_D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, HALF_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query row, along S^T's columns
-    dtype: gl.constexpr = q_bufs.dtype
     key0 = start_n + half * HALF_N
-    k = k_bufs.index(half).reshape([HALF_N, BLOCK_D])
-    v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
     offs_n = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the layouts
     dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
@@ -621,67 +618,124 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     n_steps = group * n_m
     if n_steps > 0:
         mbarrier.wait(kv_bar, 0)
-    for i in range(n_steps):
-        stage = i % NUM_STAGES
-        phase = (i // NUM_STAGES) & 1
-        h = hk * group + i // n_m
-        start_m = lo + (i % n_m) * BLOCK_M
-        mbarrier.wait(q_ready.index(stage), phase)
-        q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
-        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S^T = K Q^T
-        mbarrier.wait(do_ready.index(stage), phase)
-        do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
-        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP^T = V dO^T
-        s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
-        # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
-        p_t = gl.exp2(s_t * qk_scale - lse_bufs.index(stage).load(row_layout)[None, :])
-        if (start_m < full_lo) | (start_m >= full_hi):
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-            ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
-            p_t = gl.where(ok, p_t, 0.0)
-        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-        dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
-        ds_t = (p_t * (dp_t - delta_bufs.index(stage).load(row_layout)[None, :])).to(dtype)
-        ds_op = gl.convert_layout(ds_t, op_layout)
-        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-        par = i & 1  # dS^T buffers alternate: a step's are overwritten two steps later, when both
-        # warpgroups have passed the next step's ds_ready, i.e. finished this step's dQ product
-        ds_bufs.index(2 * par + half).store(ds_t)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(par), count=1)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-        mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
-        mbarrier.wait(ds_ready.index(par), (i >> 1) & 1)
-        dq_tok = warpgroup_mma(ds_bufs.index(2 * par).permute((1, 0)),
-                               k_bufs.index(0).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
-                               dq_zero, use_acc=False, is_async=True)
-        dq_tok = warpgroup_mma(ds_bufs.index(2 * par + 1).permute((1, 0)),
-                               k_bufs.index(1).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
-                               dq_tok, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-        tma.store_wait(0)  # the previous step's reduction has read dq_bufs[half]
-        dq_bufs.index(half).reshape([BLOCK_M, HALF_D]).store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [b, start_m, h, half * HALF_D], dq_bufs.index(half))  # rows past sq: clipped
-
+        if DEFER_DQ:
+            dk, dv = _bwd_sm90_step(0, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
+                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
+                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, offs_n, s_zero, dq_zero,
+                                    HAS_LEFT, HAS_RIGHT, True, False)
+        for i in range(1 if DEFER_DQ else 0, n_steps):
+            dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
+                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
+                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, offs_n, s_zero, dq_zero,
+                                    HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ)
+        if DEFER_DQ:
+            last = n_steps - 1
+            dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
+            _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, lo + (last % n_m) * BLOCK_M, hk * group + last // n_m, half)
     tma.store_wait(0)
     # both warpgroups read both halves of K: wait for the other's last dQ product, then K's and V's
     # buffers of this half take dK and dV on their way out (rows past sk are clipped)
     mbarrier.arrive(done, count=1)
     mbarrier.wait(done, 0)
-    k_bufs.index(half).reshape([HALF_N, BLOCK_D]).store((dk * softmax_scale).to(dtype))
-    v_bufs.index(half).reshape([HALF_N, BLOCK_D]).store(dv.to(dtype))
+    k_bufs.index(half).reshape([HALF_N, BLOCK_D]).store((dk * softmax_scale).to(q_bufs.dtype))
+    v_bufs.index(half).reshape([HALF_N, BLOCK_D]).store(dv.to(q_bufs.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, 0], k_bufs.index(half))
     tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, 0], v_bufs.index(half))
     tma.store_wait(0)
 
 
+@gluon.jit
+def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, q_ready,
+                   do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m, full_lo, full_hi, sk,
+                   diag_offset, left, right, qk_scale, offs_n, s_zero, dq_zero, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr):
+    """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
+    and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
+    step i-1's dQ first (HAS_PREV). Returns dK, dV."""
+    NUM_STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[2]
+    HALF_N: gl.constexpr = k_bufs.shape[2]
+    BLOCK_D: gl.constexpr = k_bufs.shape[4]
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)  # per query row, along S^T's columns
+    dtype: gl.constexpr = q_bufs.dtype
+    stage = i % NUM_STAGES
+    phase = (i // NUM_STAGES) & 1
+    start_m = lo + (i % n_m) * BLOCK_M
+    if HAS_PREV:
+        dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero)
+    mbarrier.wait(q_ready.index(stage), phase)
+    q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
+    k = k_bufs.index(half).reshape([HALF_N, BLOCK_D])
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S^T = K Q^T
+    if HAS_PREV:  # step i-1's dQ leaves while S^T runs
+        dq = warpgroup_mma_wait(1, deps=(dq_tok, ))
+        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, lo + ((i - 1) % n_m) * BLOCK_M, hk * group + (i - 1) // n_m, half)
+    mbarrier.wait(do_ready.index(stage), phase)
+    do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
+    v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP^T = V dO^T
+    s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
+    # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
+    p_t = gl.exp2(s_t * qk_scale - lse_bufs.index(stage).load(row_layout)[None, :])
+    if (start_m < full_lo) | (start_m >= full_hi):
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        p_t = gl.where(ok, p_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+    dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
+    ds_t = (p_t * (dp_t - delta_bufs.index(stage).load(row_layout)[None, :])).to(dtype)
+    ds_op = gl.convert_layout(ds_t, op_layout)
+    dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+    # dS^T buffers alternate: a step's are overwritten two steps later, once both warpgroups have
+    # passed the next step's ds_ready, i.e. waited for this step's dQ product
+    ds_bufs.index(2 * (i & 1) + half).store(ds_t)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(i & 1), count=1)
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+    mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
+    if not DEFER_DQ:
+        dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero), ))
+        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, start_m, hk * group + i // n_m, half)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero):
+    """Step i's dQ rows in this warpgroup's half of the columns: dS (both warpgroups' keys, once
+    the other's dS^T is in shared memory) times K; asynchronous."""
+    HALF_N: gl.constexpr = k_bufs.shape[2]
+    BLOCK_D: gl.constexpr = k_bufs.shape[4]
+    HALF_D: gl.constexpr = BLOCK_D // 2
+    par = i & 1
+    mbarrier.wait(ds_ready.index(par), (i >> 1) & 1)
+    tok = warpgroup_mma(ds_bufs.index(2 * par).permute((1, 0)),
+                        k_bufs.index(0).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
+                        dq_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(ds_bufs.index(2 * par + 1).permute((1, 0)),
+                         k_bufs.index(1).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
+                         tok, is_async=True)
+
+
+@gluon.jit
+def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, start_m, h, half):
+    """A consumer's half of a Q block's dQ (its columns half * HALF_D onwards) into the fp32 dQ
+    buffer by TMA reduce-add (rows past sq are clipped), through its shared buffer once the
+    previous reduction has read it."""
+    HALF_D: gl.constexpr = dq.shape[1]
+    tma.store_wait(0)
+    dq_bufs.index(half).reshape(dq.shape).store(dq)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [b, start_m, h, half * HALF_D], dq_bufs.index(half))
+
+
 @gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad"])
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr):
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     DEFER_DQ: gl.constexpr):
     """Grid: (key blocks of 128, K/V heads, batch); key block 0 first, the longest with a causal
     mask. rows_pad: rows per head of the LSE and delta buffers (a multiple of the Q block)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -729,11 +783,11 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, hk, group,
                              start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, HAS_LEFT, HAS_RIGHT)),
+                             softmax_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, hk, group,
                              start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, HAS_LEFT, HAS_RIGHT)),
+                             softmax_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad,
                           start_n, lo, n_m)),
@@ -775,6 +829,6 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
         box_descriptor(dq_acc, cfg.block_m, d // 2),
         h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+        DEFER_DQ=configs.hopper_backward_defer_dq(d), num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

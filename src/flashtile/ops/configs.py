@@ -139,6 +139,16 @@ def hopper_backward_tiles(d: int) -> BlockConfig:
     return BlockConfig(128, 128, 4, 2) if d == 64 else BlockConfig(64, 128, 4, 2)
 
 
+def hopper_backward_defer_dq(d: int) -> bool:
+    """Whether the Hopper backward issues a step's dQ product at the start of the next step, ahead
+    of its S^T, so the dQ tile's way out through shared memory runs under S^T (else each step ends
+    with its dQ). Backward TFLOP/s against ending each step with its dQ, alternating
+    (ab_bwd_defer_dq.txt): d=64 1.03-1.05x at 1k-16k, causal 1.00-1.03x (three rounds); d=128
+    0.96-1.00x (two rounds), where the dQ tile's 32 registers beside S^T, dK and dV spill 44 / 160
+    bytes non-causal / causal."""
+    return d == 64
+
+
 def delta_config(d: int, device: torch.device) -> BlockConfig:
     """The rowsum(dO * O) preprocess is a pure stream: big row blocks, no pipelining needed."""
     if device.type != "cuda":
