@@ -142,10 +142,8 @@ def compile_hopper_backward(d: int, causal: bool):
     kernel = backward._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
-                 DEFER_DQ=configs.hopper_backward_defer_dq(d))
-    half_n = cfg.block_n // 2
-    boxes = dict(q_desc=(cfg.block_m, d), do_desc=(cfg.block_m, d), k_desc=(half_n, d), v_desc=(half_n, d),
-                 dk_desc=(half_n, d), dv_desc=(half_n, d), dq_desc=(cfg.block_m, d // 2))
+                 DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d))
+    boxes = backward.sm90_boxes(cfg, d)
     signature = {}
     for n in names:
         if n in const:

@@ -62,17 +62,18 @@ def test_hopper_forward_compiles_for_sm90(d, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_backward_compiles_for_sm90(d, causal):
     """The Gluon backward: asynchronous wgmmas (no C7514), the 240/24 register split, inside 227 KB
-    of shared memory (at d=128 with 2 Q/dO stages: 198 KB, d=64 with 128-row Q blocks: 195 KB).
+    of shared memory (at d=128 with 2 Q/dO stages: 198 KB, d=64 with 128-row Q blocks: 195 KB,
+    d=256 with the head dim split between the warpgroups: 225 KB, no spills).
     Spills: at d=128 at most 32 bytes, the mask arithmetic of the masked steps (the STL/LDL pair
     sits in that branch of the SASS, not on the unmasked steps' path); at d=64 at most 208, the
     loop's scalars (S^T and dP^T of a 128-row block take 64 registers each), stored and reloaded
     once per step around the exponentials: 128-row blocks with them measured 2-9% faster than
     64-row blocks without (NOTES.md "Hopper backward: 128-row blocks at d=64")."""
     report = memory_ops("backward-sm90", d, *(["--causal"] if causal else []))
-    assert report["spill_bytes"] <= (208 if d == 64 else 32), report
+    assert report["spill_bytes"] <= {64: 208, 128: 32, 256: 0}[d], report
     assert not report["wgmma_serialised"], report
     assert {24, 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report

@@ -81,12 +81,13 @@ def test_refuses_score_modifiers(modifier):
 
 def test_backward_dispatch(sm90, monkeypatch):
     bf16 = torch.bfloat16
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for dtype in (bf16, torch.float16):
             assert configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024) == configs.hopper_backward_tiles(d)
     assert configs.hopper_backward_defer_dq(64) and not configs.hopper_backward_defer_dq(128)
+    assert configs.hopper_backward_split_d(256) and not configs.hopper_backward_split_d(128)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
-    for d in (32, 96, 256):
+    for d in (32, 96, 192):
         assert configs.hopper_backward_config(d, bf16, CUDA, seqlen_q=4096) is None
     assert configs.hopper_backward_config(128, torch.float32, CUDA, seqlen_q=4096) is None
     assert configs.hopper_backward_config(128, bf16, torch.device("cpu"), seqlen_q=4096) is None

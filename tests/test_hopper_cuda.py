@@ -154,7 +154,7 @@ def hopper_backward_launches(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("sq,sk", SEQLENS[:-1], ids=[f"{a}x{b}" for a, b in SEQLENS[:-1]])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 def test_backward_grid(hopper_backward_launches, d, sq, sk, dtype, causal, heads):
     """dQ, dK, dV against the float64 oracle with the 2x rule (outputs poisoned first)."""
     h, hk = heads
@@ -164,7 +164,8 @@ def test_backward_grid(hopper_backward_launches, d, sq, sk, dtype, causal, heads
 
 @pytest.mark.parametrize("lengths", [(700, 900), (900, 700)], ids=["sq<sk", "sq>sk"])
 @pytest.mark.parametrize("window", [(100, 20), (256, 0), (0, 0), (-1, 64), (64, -1)])
-@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128-bf16", "d64-fp16"])
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16)],
+                         ids=["d128-bf16", "d64-fp16", "d256-bf16"])
 def test_backward_window(hopper_backward_launches, window, lengths, d, dtype):
     check_prefill(2, *lengths, 4, 2, d, dtype, "cuda", window=window)
     assert hopper_backward_launches
@@ -188,7 +189,7 @@ def test_backward_long(hopper_backward_launches):
     assert hopper_backward_launches
 
 
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal, d):
     """accumulate_dq (ring attention's dQ sum): the kernel's reduce-adds, scaled, go into the
@@ -202,7 +203,7 @@ def _grads(q, k, v, dout, window, **kw):
     return backward.attention_backward(dout, q, k, v, out, lse, q.shape[-1] ** -0.5, window, **kw)
 
 
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 def test_backward_reruns(hopper_backward_launches, d):
     """20 reruns: dK and dV (summed in registers) bitwise equal; dQ (summed by TMA reductions in
     whatever order the programs finish) equal to the deterministic path's to fp32 rounding of the
@@ -221,7 +222,7 @@ def test_backward_reruns(hopper_backward_launches, d):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 def test_backward_cuda_graph(hopper_backward_launches, d):
     """Captured once, replayed on new inputs: dK, dV bitwise equal to eager calls, dQ to the sum
     order (the fp32 dQ buffer is allocated and zeroed inside the graph)."""

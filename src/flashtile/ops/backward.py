@@ -549,6 +549,11 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # buffer (cp.reduce.async.bulk), which ops.backward scales and casts at the end. 5 products per
 # block pair instead of the Triton path's 7, at the price of an order of additions that changes
 # from run to run: deterministic=True keeps the Triton path.
+#
+# At d=256 (SPLIT_D) a warpgroup's fp32 dK and dV of 64 keys would fill its registers, so a
+# program owns 64 keys and the warpgroups split the head dim instead: each computes S and dP for
+# 32 of the keys (in the untransposed orientation), P and dS meet in shared memory, and each
+# takes the dV, dK and dQ products in its 128 columns (_bwd_sm90_step_split).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -563,18 +568,20 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                    lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad, start_n,
                    lo, n_m):
-    """Loader partition: both halves of K and V, then for step i (head g = i // n_m of the group, Q
-    block i % n_m) Q with its LSE and dO with its delta into buffer i % NUM_STAGES once both
-    consumers have freed it. A program whose keys no row sees loads nothing."""
+    """Loader partition: the program's K and V (one buffer per key half, or one for all with
+    SPLIT_D), then for step i (head g = i // n_m of the group, Q block i % n_m) Q with its LSE and
+    dO with its delta into buffer i % NUM_STAGES once both consumers have freed it. A program whose
+    keys no row sees loads nothing."""
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    HALF_N: gl.constexpr = k_desc.block_type.shape[1]
+    KEY_ROWS: gl.constexpr = k_desc.block_type.shape[1]
+    KEY_BUFS: gl.constexpr = k_bufs.shape[0]
     n_steps = group * n_m
     if n_steps > 0:
-        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
-        for half in gl.static_range(2):
-            tma.async_copy_global_to_shared(k_desc, [b, start_n + half * HALF_N, hk, 0], kv_bar, k_bufs.index(half))
-            tma.async_copy_global_to_shared(v_desc, [b, start_n + half * HALF_N, hk, 0], kv_bar, v_bufs.index(half))
+        mbarrier.expect(kv_bar, 2 * KEY_BUFS * k_desc.block_type.nbytes)
+        for part in gl.static_range(KEY_BUFS):
+            tma.async_copy_global_to_shared(k_desc, [b, start_n + part * KEY_ROWS, hk, 0], kv_bar, k_bufs.index(part))
+            tma.async_copy_global_to_shared(v_desc, [b, start_n + part * KEY_ROWS, hk, 0], kv_bar, v_bufs.index(part))
     for i in range(n_steps):
         stage = i % NUM_STAGES
         h = hk * group + i // n_m
@@ -595,28 +602,40 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                       n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
-    columns of each Q block's dQ. DEFER_DQ: step i issues step i-1's dQ product ahead of its own
-    S^T, so that product's trip out (shared memory, TMA reduce-add) runs under S^T; no product is
-    left in flight from one step to the next (ptxas would serialise every wgmma), so the first
-    step is peeled off. Otherwise each step ends with its own dQ."""
+    columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
+    its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
+    dQ product ahead of its own S^T, so that product's trip out (shared memory, TMA reduce-add)
+    runs under S^T; no product is left in flight from one step to the next (ptxas would serialise
+    every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
-    HALF_N: gl.constexpr = k_bufs.shape[2]
+    HALF_N: gl.constexpr = k_bufs.shape[2]  # this warpgroup's keys (with SPLIT_D, the program's)
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
     HALF_D: gl.constexpr = BLOCK_D // 2
+    SPLIT_D: gl.constexpr = k_bufs.shape[0] == 1
+    OWN_D: gl.constexpr = HALF_D if SPLIT_D else BLOCK_D  # dK, dV columns of this warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                        instr_shape=[16, BLOCK_D, 16])
+                                                        instr_shape=[16, OWN_D, 16])
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]  # a dQ product's columns: half, or with SPLIT_D a quarter
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                        instr_shape=[16, HALF_D, 16])
-    key0 = start_n + half * HALF_N
+                                                        instr_shape=[16, DQ_COLS, 16])
+    key0 = start_n if SPLIT_D else start_n + half * HALF_N
     offs_n = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the layouts
-    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
-    dk = gl.zeros([HALF_N, BLOCK_D], gl.float32, kv_layout)
-    dv = gl.zeros([HALF_N, BLOCK_D], gl.float32, kv_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dk = gl.zeros([HALF_N, OWN_D], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, OWN_D], gl.float32, kv_layout)
     n_steps = group * n_m
-    if n_steps > 0:
+    if SPLIT_D:
+        if n_steps > 0:
+            mbarrier.wait(kv_bar, 0)
+        for i in range(n_steps):
+            dk, dv = _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
+                                          q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
+                                          full_lo, full_hi, sk, diag_offset, left, right, qk_scale, start_n, dq_zero,
+                                          HAS_LEFT, HAS_RIGHT)
+    elif n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
             dk, dv = _bwd_sm90_step(0, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
@@ -633,15 +652,25 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
             _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, lo + (last % n_m) * BLOCK_M, hk * group + last // n_m, half)
     tma.store_wait(0)
-    # both warpgroups read both halves of K: wait for the other's last dQ product, then K's and V's
-    # buffers of this half take dK and dV on their way out (rows past sk are clipped)
+    # both warpgroups read all of K: wait for the other's last dQ product, then the K and V buffers
+    # take dK and dV on their way out (rows past sk are clipped): this warpgroup's key half of them,
+    # or with SPLIT_D its columns, through half of the buffer's bytes
     mbarrier.arrive(done, count=1)
     mbarrier.wait(done, 0)
-    k_bufs.index(half).reshape([HALF_N, BLOCK_D]).store((dk * softmax_scale).to(q_bufs.dtype))
-    v_bufs.index(half).reshape([HALF_N, BLOCK_D]).store(dv.to(q_bufs.dtype))
+    if SPLIT_D:
+        out_shape: gl.constexpr = [2] + dk_desc.block_type.shape
+        dk_smem = k_bufs.index(0)._reinterpret(q_bufs.dtype, out_shape, dk_desc.layout).index(half)
+        dv_smem = v_bufs.index(0)._reinterpret(q_bufs.dtype, out_shape, dv_desc.layout).index(half)
+        col = half * HALF_D
+    else:
+        dk_smem = k_bufs.index(half)
+        dv_smem = v_bufs.index(half)
+        col = 0
+    dk_smem.reshape([HALF_N, OWN_D]).store((dk * softmax_scale).to(q_bufs.dtype))
+    dv_smem.reshape([HALF_N, OWN_D]).store(dv.to(q_bufs.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, 0], k_bufs.index(half))
-    tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, 0], v_bufs.index(half))
+    tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, col], dk_smem)
+    tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, col], dv_smem)
     tma.store_wait(0)
 
 
@@ -720,6 +749,85 @@ def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero):
 
 
 @gluon.jit
+def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, q_ready,
+                         do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m, full_lo, full_hi, sk,
+                         diag_offset, left, right, qk_scale, start_n, dq_zero, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr):
+    """Step i with SPLIT_D (FA3's schedule at d=256). The warpgroups split S = Q K^T and dP = dO V^T
+    by keys, 32 each, and leave their columns of P and dS in shared memory; once both have, each
+    takes dV += P^T dO, dK += dS^T Q and dQ = dS K in its half of the head dim, all operands from
+    shared memory. dQ leaves by TMA reduce-add in two products of a quarter, staged in this
+    warpgroup's columns of the step's Q (first quarter) and dO (second) buffers: by then every
+    other reader of those bytes is done (the S and dP products of both warpgroups come before the
+    exchange, dK and dV read only this warpgroup's columns). Returns dK, dV."""
+    NUM_STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[2]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    BLOCK_D: gl.constexpr = k_bufs.shape[4]
+    OWN_N: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup's S and dP
+    OWN_D: gl.constexpr = dk.shape[1]  # columns of its dK, dV and dQ
+    QUARTER: gl.constexpr = dq_zero.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, OWN_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_bufs.dtype
+    stage = i % NUM_STAGES
+    phase = (i // NUM_STAGES) & 1
+    start_m = lo + (i % n_m) * BLOCK_M
+    s_zero = gl.zeros([BLOCK_M, OWN_N], gl.float32, s_layout)  # ignored (use_acc=False): the layout
+    k = k_bufs.index(0).reshape([BLOCK_N, BLOCK_D])
+    mbarrier.wait(q_ready.index(stage), phase)
+    q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
+    s_tok = warpgroup_mma(q, k.slice(half * OWN_N, OWN_N, dim=0).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    mbarrier.wait(do_ready.index(stage), phase)
+    do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
+    v = v_bufs.index(0).reshape([BLOCK_N, BLOCK_D])
+    dp_tok = warpgroup_mma(do, v.slice(half * OWN_N, OWN_N, dim=0).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
+    p = gl.exp2(s * qk_scale - lse_bufs.index(stage).load(row_layout)[:, None])
+    if (start_m < full_lo) | (start_m >= full_hi):
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        offs_n = start_n + half * OWN_N + gl.arange(0, OWN_N, layout=gl.SliceLayout(0, s_layout))
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        p = gl.where(ok, p, 0.0)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    ds = p * (dp - delta_bufs.index(stage).load(row_layout)[:, None])
+    # P and dS buffers alternate: a step's are overwritten two steps later, once both warpgroups
+    # have passed the next step's ds_ready, i.e. finished this step's products
+    par = i & 1
+    p_smem = ds_bufs.index(2 + par)
+    ds_smem = ds_bufs.index(par)
+    p_smem.slice(half * OWN_N, OWN_N, dim=1).store(p.to(dtype))
+    ds_smem.slice(half * OWN_N, OWN_N, dim=1).store(ds.to(dtype))
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(par), count=1)
+    mbarrier.wait(ds_ready.index(par), (i >> 1) & 1)
+    col: gl.constexpr = half * OWN_D
+    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do.slice(col, OWN_D, dim=1), dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q.slice(col, OWN_D, dim=1), dk, is_async=True)
+    first_tok = warpgroup_mma(ds_smem, k.slice(col, QUARTER, dim=1), dq_zero, use_acc=False, is_async=True)
+    second_tok = warpgroup_mma(ds_smem, k.slice(col + QUARTER, QUARTER, dim=1), dq_zero, use_acc=False,
+                               is_async=True)
+    quarters: gl.constexpr = [2] + dq_desc.block_type.shape  # a stage's Q (or dO) buffer: 2 fp32 dQ boxes
+    first_smem = q_bufs.index(stage)._reinterpret(gl.float32, quarters, dq_desc.layout).index(half)
+    second_smem = do_bufs.index(stage)._reinterpret(gl.float32, quarters, dq_desc.layout).index(half)
+    dv, dk, first = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, first_tok))
+    first_smem.reshape(first.shape).store(first)
+    second = warpgroup_mma_wait(0, deps=(second_tok, ))
+    second_smem.reshape(second.shape).store(second)
+    fence_async_shared()
+    h = hk * group + i // n_m
+    _tma_reduce_add(dq_desc, [b, start_m, h, col], first_smem)
+    _tma_reduce_add(dq_desc, [b, start_m, h, col + QUARTER], second_smem)
+    tma.store_wait(0)
+    mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
+    return dk, dv
+
+
+@gluon.jit
 def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, start_m, h, half):
     """A consumer's half of a Q block's dQ (its columns half * HALF_D onwards) into the fp32 dQ
     buffer by TMA reduce-add (rows past sq are clipped), through its shared buffer once the
@@ -735,12 +843,16 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, start_m, h, half):
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     DEFER_DQ: gl.constexpr):
-    """Grid: (key blocks of 128, K/V heads, batch); key block 0 first, the longest with a causal
-    mask. rows_pad: rows per head of the LSE and delta buffers (a multiple of the Q block)."""
+                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr):
+    """Grid: (key blocks, K/V heads, batch); key block 0 first, the longest with a causal mask.
+    A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
+    share (configs.hopper_backward_split_d). rows_pad: rows per head of the LSE and delta buffers
+    (a multiple of the Q block)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    HALF_N: gl.constexpr = k_desc.block_type.shape[1]
-    start_n = gl.program_id(0) * 2 * HALF_N
+    WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
+    KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
+    BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
+    start_n = gl.program_id(0) * BLOCK_N
     # grid (key blocks, kv heads, batch). b and hk by div / mod of one index, as when the grid was
     # (key blocks, batch x kv heads): reading them off the z and y axes measured 407 against 414
     # TFLOP/s at d=64 causal 16k (benchmarks/results/h100/NOTES.md, "Batch x heads past 65535")
@@ -750,19 +862,25 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     group = nheads // nheads_k
     diag_offset = sk - sq
     # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
-    lo, full_lo, full_hi, hi = block_range(start_n, 2 * HALF_N, BLOCK_M, sq, -diag_offset, right, left,
+    lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
                                            HAS_RIGHT, HAS_LEFT)
     n_m = gl.cdiv(hi - lo, BLOCK_M)
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KEY_BUFS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KEY_BUFS] + v_desc.block_type.shape, v_desc.layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], delta_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], q_desc.dtype)
-    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF_N, BLOCK_M], ds_layout)  # [step parity, half]
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    if SPLIT_D:  # dS and P [step parity] of BLOCK_M rows by the program's keys, written in column
+        # halves (32 keys, one 64-byte swizzle atom wide); dQ leaves through the Q and dO buffers
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_M, WG_KEYS], ds_layout)  # dS, dS, P, P
+        dq_bufs = q_bufs
+    else:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], q_desc.dtype)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, WG_KEYS, BLOCK_M], ds_layout)  # [step parity, half]
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -806,6 +924,17 @@ def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes
     return all(map(tma_ok, (q, k, v, dout, dk, dv)))
 
 
+def sm90_boxes(cfg, d: int) -> dict:
+    """(rows, columns) of the TMA boxes of _bwd_kernel_sm90's BSHD descriptors, by parameter name,
+    for tiles cfg at head dim d: K and V in a box per consumer warpgroup (half the program's keys),
+    or with SPLIT_D one box that both share, and dK / dV in a box per warpgroup's columns."""
+    split = configs.hopper_backward_split_d(d)
+    keys = cfg.block_n if split else cfg.block_n // 2
+    kv_cols = d // 2 if split else d
+    return dict(q_desc=(cfg.block_m, d), do_desc=(cfg.block_m, d), k_desc=(keys, d), v_desc=(keys, d),
+                dk_desc=(keys, kv_cols), dv_desc=(keys, kv_cols), dq_desc=(cfg.block_m, d // 4 if split else d // 2))
+
+
 def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
     accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled.
@@ -822,13 +951,15 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
         delta.copy_(stats[1].view(b, h, rows_pad)[..., :sq])
     dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
-    half_n = cfg.block_n // 2
+    boxes = sm90_boxes(cfg, d)
     _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
-        box_descriptor(q, cfg.block_m), box_descriptor(dout, cfg.block_m), box_descriptor(k, half_n),
-        box_descriptor(v, half_n), *rows, box_descriptor(dk, half_n), box_descriptor(dv, half_n),
-        box_descriptor(dq_acc, cfg.block_m, d // 2),
+        *(box_descriptor(t, *boxes[name]) for t, name in ((q, "q_desc"), (dout, "do_desc"), (k, "k_desc"),
+                                                           (v, "v_desc"))),
+        *rows, *(box_descriptor(t, *boxes[name]) for t, name in ((dk, "dk_desc"), (dv, "dv_desc"),
+                                                                (dq_acc, "dq_desc"))),
         h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-        DEFER_DQ=configs.hopper_backward_defer_dq(d), num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+        DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
+        num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

@@ -66,7 +66,7 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     510 / 361, 560 / 401, 611 / 454. d=64 8k / 16k 453 / 418, 426 / 433; causal 420 / 383, 438 /
     390. d=64 at 2k / 4k in an ad-hoc sweep (NOTES.md "Hopper forward", one run): 402 / 425 against
     400 / 405, causal 322 / 376 against 337 / 362, so d=64 takes it from 4k keys on. 3 K/V stages:
-    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. d=256 (prefill_d256.json of
+    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. d=256 (prefill_d256_ccdaa4c.json of
     ccdaa4c + d=256): 1.24-1.30x the Triton kernel at 1k-16k non-causal and 2k-16k causal; causal 1k
     swung between 155 and 378 TFLOP/s in five measurements (the Triton kernel: 286-289), so it
     keeps the Triton kernel there. Fewer than 128 query rows (decoding steps and short chunks
@@ -120,10 +120,11 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
     bf16, 16k tokens, backward TFLOP/s, this kernel / the Triton programs in the same run) at 1k /
     2k / 8k / 16k: d=128 402 / 340, 464 / 380, 483 / 415, 525 / 433; causal 280 / 232, 374 / 300,
     425 / 371, 464 / 408. d=64 313 / 300, 355 / 340, 379 / 360, 420 / 363; causal 224 / 198, 290 /
-    265, 357 / 335, 375 / 343. Fewer than 128 query rows were not measured and keep the Triton
-    programs, as the forward.
+    265, 357 / 335, 375 / 343. d=256 (prefill_d256.json, against the Triton programs) 266 / 171,
+    297 / 183, 333 / 196, 340 / 193; causal 190 / 147, 255 / 174, 324 / 213, 343 / 217. Fewer than
+    128 query rows were not measured and keep the Triton programs, as the forward.
     """
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
     if torch.cuda.get_device_capability(device) != (9, 0) or seqlen_q < 128:
         return None
@@ -131,12 +132,27 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
 
 
 def hopper_backward_tiles(d: int) -> BlockConfig:
-    """The Hopper backward's tiles at head dim d (64 or 128): 128 keys per program; Q blocks of 64
-    rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its 240 registers)
-    and of 128 rows at d=64, where half as many steps carry the per-step waits: 1.02-1.09x the
-    64-row blocks' backward at 1k-16k, causal or not (ab_bwd_d64_rows128.txt, two alternating
-    rounds), although ptxas then spills a few loop scalars."""
+    """The Hopper backward's tiles at head dim d (64, 128 or 256): 128 keys per program at d <= 128;
+    Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its
+    240 registers) and of 128 rows at d=64, where half as many steps carry the per-step waits:
+    1.02-1.09x the 64-row blocks' backward at 1k-16k, causal or not (ab_bwd_d64_rows128.txt, two
+    alternating rounds), although ptxas then spills a few loop scalars. d=256: 64 keys shared by
+    both warpgroups (hopper_backward_split_d) and 64-row Q blocks in two stages: K, V and two Q
+    and dO buffers of 32 KB each and the P and dS buffers (two of each, 8 KB) take 225 of the
+    SM's 227 KB, so dQ leaves through the Q and dO buffers."""
+    if d == 256:
+        return BlockConfig(64, 64, 4, 2)
     return BlockConfig(128, 128, 4, 2) if d == 64 else BlockConfig(64, 128, 4, 2)
+
+
+def hopper_backward_split_d(d: int) -> bool:
+    """Whether the Hopper backward's two consumer warpgroups split the head dim instead of the keys:
+    at d=256, where a warpgroup's dK and dV of 64 keys in fp32 would take all 256 registers of a
+    thread. Each owns 128 columns of dK, dV and dQ and takes half the keys of S and dP, which go
+    through shared memory to both (FA3's schedule there). Computing all of S^T and dP^T in each
+    warpgroup instead (14 products' worth of wgmma for 10, P^T and dS^T from registers) measured
+    0.85-0.99x FlashAttention-2 against this one's 1.10-1.31x (NOTES.md "Hopper backward at d=256")."""
+    return d == 256
 
 
 def hopper_backward_defer_dq(d: int) -> bool:
