@@ -95,7 +95,8 @@ DECODE_MAX_QUERIES = 16  # query rows per sequence that still run the decoding k
 # >= 5.3: gpt-oss, granite_swa, mimo_v2_flash, ...) that flashtile stands in for: flash-attn's
 # arguments and the sink (s_aux / learnable_sink), which transformers hands to each of them.
 SINK_KERNELS = frozenset({"flash_attention_4", "kernels-community/vllm-flash-attn3",
-                          "kernels-community/metal-flash-sdpa"})
+                          "kernels-community/metal-flash-sdpa",
+                          "kernels-community/aiter-flash-attn"})  # gpt-oss lists it from transformers 5.24
 
 
 def register() -> None:
