@@ -171,21 +171,25 @@ def test_backward_window(hopper_backward_launches, window, lengths, d, dtype):
     assert hopper_backward_launches
 
 
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256"])
 @pytest.mark.parametrize("layout", ["bhsd", "packed"])
-def test_backward_strided_layouts(hopper_backward_launches, layout):
-    check_prefill(2, 1000, 1000, 8, 8, 128, torch.bfloat16, "cuda", causal=True, layout=layout)
+def test_backward_strided_layouts(hopper_backward_launches, layout, d):
+    """At d=256 dK and dV leave in column halves: boxes at column 128 of strided tensors."""
+    check_prefill(2, 1000, 1000, 8, 8, d, torch.bfloat16, "cuda", causal=True, layout=layout)
     assert hopper_backward_launches
 
 
-def test_backward_sink(hopper_backward_launches):
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256"])
+def test_backward_sink(hopper_backward_launches, d):
     """With an attention sink the caller takes delta (shaped like lse) for the sink's gradient."""
-    check_prefill(2, 600, 700, 4, 2, 128, torch.bfloat16, "cuda", causal=True, sink=True)
+    check_prefill(2, 600, 700, 4, 2, d, torch.bfloat16, "cuda", causal=True, sink=True)
     assert hopper_backward_launches
 
 
-def test_backward_long(hopper_backward_launches):
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256"])
+def test_backward_long(hopper_backward_launches, d):
     """16k keys (one head pair): the oracle in float64 still fits; 2x rule."""
-    check_prefill(1, 4096, 16384, 2, 1, 128, torch.bfloat16, "cuda", causal=True)
+    check_prefill(1, 4096, 16384, 2, 1, d, torch.bfloat16, "cuda", causal=True)
     assert hopper_backward_launches
 
 
