@@ -952,11 +952,13 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
     boxes = sm90_boxes(cfg, d)
+
+    def box(t, name):
+        return box_descriptor(t, *boxes[name])
+
     _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
-        *(box_descriptor(t, *boxes[name]) for t, name in ((q, "q_desc"), (dout, "do_desc"), (k, "k_desc"),
-                                                           (v, "v_desc"))),
-        *rows, *(box_descriptor(t, *boxes[name]) for t, name in ((dk, "dk_desc"), (dv, "dv_desc"),
-                                                                (dq_acc, "dq_desc"))),
+        box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
+        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc, "dq_desc"),
         h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
