@@ -1,8 +1,8 @@
 """Compile the prefill kernels for sm_90 on the CPU and count their global loads/stores by width.
 
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
-    python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal]   (the Gluon Hopper kernels:
-        ptxas's report)
+    python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout]   (the Gluon Hopper
+        kernels: ptxas's report)
     python tests/codegen_check.py decode D PAGE_SIZE [--append]   (the decoding split kernel, fp16,
         16 q / 2 kv heads: registers, spills, shared memory)
 
@@ -110,7 +110,7 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
                           options=dict(num_warps=blocks[-2], num_stages=blocks[-1]))
 
 
-def compile_hopper_forward(d: int, causal: bool):
+def compile_hopper_forward(d: int, causal: bool, dropout: bool = False):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -118,7 +118,10 @@ def compile_hopper_forward(d: int, causal: bool):
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
-                 Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d))
+                 Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
+                 HAS_DROPOUT=dropout)
+    if not dropout:
+        const["Rng"] = None
     boxes = dict(q_desc=cfg.block_m // 2, k_desc=cfg.block_n, v_desc=cfg.block_n)
     signature = {}
     for n in names:
@@ -128,21 +131,25 @@ def compile_hopper_forward(d: int, causal: bool):
             layout = forward.tma_box_layout(boxes[n], d, torch.bfloat16)
             signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
         else:
-            signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "qk_scale": "fp32"}.get(n, "i32")
+            signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "Rng": "*i64", "qk_scale": "fp32",
+                            "dropout_scale": "fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
 
 
-def compile_hopper_backward(d: int, causal: bool):
+def compile_hopper_backward(d: int, causal: bool, dropout: bool = False):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = configs.hopper_backward_tiles(d)
+    cfg = configs.hopper_backward_tiles(d, dropout)
     kernel = backward._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
-                 DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d))
+                 DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
+                 HAS_DROPOUT=dropout)
+    if not dropout:
+        const["Rng"] = None
     boxes = backward.sm90_boxes(cfg, d)
     signature = {}
     for n in names:
@@ -156,7 +163,8 @@ def compile_hopper_backward(d: int, causal: bool):
         elif n in ("lse_desc", "delta_desc"):
             signature[n] = f"tensordesc<fp32[{cfg.block_m}],{backward.ROW_LAYOUT!r}>"
         else:
-            signature[n] = "fp32" if n in ("qk_scale", "softmax_scale") else "i32"
+            signature[n] = ("fp32" if n in ("qk_scale", "softmax_scale", "dropout_scale") else
+                            "*i64" if n == "Rng" else "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
@@ -255,7 +263,7 @@ if __name__ == "__main__":
         sys.exit(0)
     if argv[0] in ("forward-sm90", "backward-sm90"):
         compile_hopper = compile_hopper_forward if argv[0] == "forward-sm90" else compile_hopper_backward
-        print(json.dumps(ptxas_report(compile_hopper(int(argv[1]), "--causal" in argv))))
+        print(json.dumps(ptxas_report(compile_hopper(int(argv[1]), "--causal" in argv, "--dropout" in argv))))
         sys.exit(0)
     flags = {}
     if "--flags" in argv:

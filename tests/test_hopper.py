@@ -40,36 +40,36 @@ def qkv(b=2, s=256, h=4, d=128):
 
 def test_supports_plain_strided_layouts():
     q, k, v = qkv()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, None, False, None)
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, None, None)
     bhsd = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, 0.0, None, None, False, None)
+    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, 0.0, None, None, None)
 
 
 def test_refuses_what_tma_cannot_read():
     q, k, v = qkv()
     out = torch.empty_like(q)
     shared_k = k[:1].expand_as(k)  # stride 0 over the batch
-    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, 0.0, None, None, False, None)
+    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, 0.0, None, None, None)
     base = torch.empty(q.numel() + 1, dtype=q.dtype)
     shifted = base[1:].view(q.shape)  # 2 bytes past 16-byte alignment
     assert shifted.data_ptr() % 16 != 0
-    assert not forward._hopper_supports(shifted, k, v, out, 1.0, 0.0, None, None, False, None)
+    assert not forward._hopper_supports(shifted, k, v, out, 1.0, 0.0, None, None, None)
     odd = torch.randn(2, 256, 4, 130, dtype=torch.bfloat16)[..., :128]  # head stride of 260 bytes
-    assert not forward._hopper_supports(q, odd, v, out, 1.0, 0.0, None, None, False, None)
+    assert not forward._hopper_supports(q, odd, v, out, 1.0, 0.0, None, None, None)
     assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, 0.0, None,
-                                        None, False, None)
+                                        None, None)
 
 
-@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "varlen", "dropout", "sink"])
+@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "varlen", "sink"])
 def test_refuses_score_modifiers(modifier):
     """The score modifiers it lacks, and a negative scale: its row max is taken on the raw
-    products and scaled after, which a negative scale would turn into the row min."""
+    products and scaled after, which a negative scale would turn into the row min. (Dropout it
+    takes: test_hopper_cuda.py's test_dropout.)"""
     q, k, v = qkv()
-    args = dict(qk_scale=1.0, softcap=0.0, alibi_slopes=None, varlen=None, has_dropout=False, sink=None)
+    args = dict(qk_scale=1.0, softcap=0.0, alibi_slopes=None, varlen=None, sink=None)
     args.update({"negative scale": dict(qk_scale=-0.1), "softcap": dict(softcap=30.0),
                  "alibi": dict(alibi_slopes=torch.rand(4)),
-                 "varlen": dict(varlen=object()), "dropout": dict(has_dropout=True),
-                 "sink": dict(sink=torch.zeros(4))}[modifier])
+                 "varlen": dict(varlen=object()), "sink": dict(sink=torch.zeros(4))}[modifier])
     assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
 
 
@@ -84,6 +84,8 @@ def test_backward_dispatch(sm90, monkeypatch):
     for d in (64, 128, 256):
         for dtype in (bf16, torch.float16):
             assert configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024) == configs.hopper_backward_tiles(d)
+            assert (configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024, dropout=True)
+                    == configs.hopper_backward_tiles(d, dropout=True))
     assert configs.hopper_backward_defer_dq(64) and not configs.hopper_backward_defer_dq(128)
     assert configs.hopper_backward_split_d(256) and not configs.hopper_backward_split_d(128)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
@@ -95,22 +97,21 @@ def test_backward_dispatch(sm90, monkeypatch):
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=4096) is None
 
 
-@pytest.mark.parametrize("refused", ["none", "negative scale", "softcap", "alibi", "varlen", "dropout",
-                                     "expanded k", "misaligned dk"])
+@pytest.mark.parametrize("refused", ["none", "negative scale", "softcap", "alibi", "varlen", "expanded k",
+                                     "misaligned dk"])
 def test_backward_supports(refused):
     from flashtile.ops import backward
 
     q, k, v = qkv()
     dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
-    args = dict(softmax_scale=0.1, softcap=0.0, alibi_slopes=None, varlen=None, dropout=None)
+    args = dict(softmax_scale=0.1, softcap=0.0, alibi_slopes=None, varlen=None)
     if refused == "expanded k":
         k = k[:1].expand_as(k)
     elif refused == "misaligned dk":
         dk = torch.empty(dk.numel() + 1, dtype=dk.dtype)[1:].view(dk.shape)
     elif refused != "none":
         args.update({"negative scale": dict(softmax_scale=-0.1), "softcap": dict(softcap=30.0),
-                     "alibi": dict(alibi_slopes=torch.rand(4)), "varlen": dict(varlen=object()),
-                     "dropout": dict(dropout=(0.1, None))}[refused])
+                     "alibi": dict(alibi_slopes=torch.rand(4)), "varlen": dict(varlen=object())}[refused])
     assert backward._hopper_supports(q, k, v, dout, dk, dv, **args) == (refused == "none")
 
 

@@ -11,6 +11,7 @@ import torch
 
 from flashtile.bench.harness import capture
 from flashtile.ops import backward, configs, forward
+from flashtile.reference.dropout import draw_rng
 from prefill_check import check_dq_accumulates, check_past_65535_heads, check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
@@ -145,7 +146,8 @@ def hopper_backward_launches(monkeypatch):
         pytest.skip("the Hopper kernels need sm_90")
     calls = []
     launch = backward._launch_sm90
-    monkeypatch.setattr(configs, "hopper_backward_config", lambda d, *a, **kw: configs.hopper_backward_tiles(d))
+    monkeypatch.setattr(configs, "hopper_backward_config",
+                        lambda d, *a, dropout=False, **kw: configs.hopper_backward_tiles(d, dropout))
     monkeypatch.setattr(backward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 
@@ -248,3 +250,44 @@ def test_batch_times_heads_past_65535(hopper_launches, hopper_backward_launches,
     """The Hopper forward and backward take batch and heads on two grid axes: 4100 x 16 heads."""
     check_past_65535_heads(128, 64, causal, exact=False)
     assert hopper_launches and hopper_backward_launches
+
+
+DROPOUT_SEQLENS = [(113, 203), (256, 512), (1023, 1024), (1024, 1023), (300, 17), (2048, 2048)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", DROPOUT_SEQLENS, ids=[f"{a}x{b}" for a, b in DROPOUT_SEQLENS])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)],
+                         ids=["d64-fp16", "d128-bf16", "d256-bf16"])
+def test_dropout(hopper_launches, hopper_backward_launches, d, sq, sk, dtype, causal):
+    """Dropout in both Hopper kernels: output, LSE and dQ/dK/dV against the float64 oracle applying
+    reference.dropout's mask (the Triton kernels' bit for bit), 2x rule, GQA; so the Hopper
+    kernels draw the same mask as the Triton ones, in the forward's orientation and the backward's
+    transposed one (d=64 and 128) or untransposed one (d=256)."""
+    check_prefill(2, sq, sk, 4, 2, d, dtype, "cuda", causal=causal, dropout_p=0.17)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("window", [(100, 20), (-1, 64)])
+def test_dropout_window(hopper_launches, hopper_backward_launches, window):
+    check_prefill(2, 700, 900, 4, 2, 128, torch.bfloat16, "cuda", window=window, dropout_p=0.3)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, d):
+    """The Hopper backward and the Triton one (deterministic=True) regenerate the same mask: their
+    gradients of one Hopper forward agree (a mask differing in 1 of 5 scores would not)."""
+    q, k, v = make_qkv(2, 1000, 1100, 4, 2, d, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    dropout = (0.2, draw_rng("cuda"))
+    scale = d ** -0.5
+    out, lse = forward.attention_forward(q, k, v, scale, (None, 0), dropout=dropout)
+    assert hopper_launches
+    triton_grads = backward.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout,
+                                               deterministic=True)
+    assert not hopper_backward_launches
+    hopper_grads = backward.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout)
+    assert hopper_backward_launches
+    for a, b in zip(hopper_grads, triton_grads):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

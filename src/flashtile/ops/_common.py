@@ -13,10 +13,13 @@ key j of sequence b in row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE] 
 """
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 # tl.constexpr so jit code can read them; launchers use .value
 LOG2E = tl.constexpr(math.log2(math.e))  # exp(x) = exp2(x * LOG2E)
@@ -236,14 +239,20 @@ PHILOX2_M = tl.constexpr(0xD256D193)
 PHILOX2_W = tl.constexpr(0x9E3779B9)
 PHILOX_ROUNDS = tl.constexpr(10)
 HEAD_KEY_STRIDE = tl.constexpr(0x2545F491)  # odd: distinct heads of one call get distinct keys
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX there
 
 
 @triton.jit
 def philox2x32(key, c0, c1):
     """Philox2x32-10 of uint32 counters (c0, c1) under the uint32 key: two uint32 words."""
     for _ in tl.static_range(PHILOX_ROUNDS):
-        hi = tl.math.umulhi(c0, PHILOX2_M)
-        lo = tl.mul(c0, PHILOX2_M, sanitize_overflow=False)
+        if INTERPRETED:
+            hi = tl.math.umulhi(c0, PHILOX2_M)
+            lo = tl.mul(c0, PHILOX2_M, sanitize_overflow=False)
+        else:  # both halves of the product from one instruction (IMAD.WIDE), not two
+            hi, lo = tl.inline_asm_elementwise(
+                "{ .reg .b64 t; mul.wide.u32 t, $2, 0xD256D193; mov.b64 {$1, $0}, t; }", "=r,=r,r", [c0],
+                dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
         c0 = hi ^ key ^ c1
         c1 = lo
         key = tl.add(key, PHILOX2_W, sanitize_overflow=False)
@@ -276,11 +285,6 @@ def dropout_keep(seed, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.
     32 when BLOCK_N is.
     """
     A: tl.constexpr = BLOCK_M // 16
-    key, x0, x1 = seed
-    head_key = tl.add(key, tl.mul(bh.to(tl.uint32), HEAD_KEY_STRIDE, sanitize_overflow=False),
-                      sanitize_overflow=False)
-    # each byte moved to the top 8 bits, so one unsigned compare with threshold << 24 tests it
-    bar = threshold.to(tl.uint32) << 24
     if TRANSPOSED or BLOCK_N % 32 != 0:  # a call per 16-key block and row group: half its bytes are ours
         B: tl.constexpr = BLOCK_N // 16
         kb = start_n // 16 + tl.arange(0, B)
@@ -288,30 +292,106 @@ def dropout_keep(seed, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.
         keys = (kb // 2)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (B, 8)
         up = (24 - kb % 2 * 16).to(tl.uint32)  # byte 0 (2 for keys j0 + 16, j0 + 24) to the top
         if TRANSPOSED:  # (B, 8, A, 8)
-            i, j, up = rows[None, None, :, :], keys[:, :, None, None], up[:, None, None, None]
-            shape: tl.constexpr = (B, 8, A, 8)
+            w0, w1 = dropout_words(seed, bh, rows[None, None, :, :], keys[:, :, None, None])
+            bits = dropout_half_bytes(w0, w1, up[:, None, None, None], BLOCK_N, BLOCK_M, True)
         else:  # (A, 8, B, 8)
-            i, j, up = rows[:, :, None, None], keys[None, None, :, :], up[None, None, :, None]
-            shape: tl.constexpr = (A, 8, B, 8)
-        w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32) ^ x0,
-                            tl.broadcast_to(i, shape).to(tl.uint32) ^ x1)
-        bits = tl.join(tl.join(w0 << up, w0 << (up - 8)), tl.join(w1 << up, w1 << (up - 8)))  # (..., y % 2, x)
-        if TRANSPOSED:  # (B, 8, A, 8, y % 2, x) -> (B, y % 2, 8, A, x, 8)
-            bits = tl.reshape(tl.permute(bits, (0, 4, 1, 2, 5, 3)), (BLOCK_N, BLOCK_M))
-        else:  # (A, 8, B, 8, y % 2, x) -> (A, x, 8, B, y % 2, 8)
-            bits = tl.reshape(tl.permute(bits, (0, 5, 1, 2, 4, 3)), (BLOCK_M, BLOCK_N))
+            w0, w1 = dropout_words(seed, bh, rows[:, :, None, None], keys[None, None, :, :])
+            bits = dropout_half_bytes(w0, w1, up[None, None, :, None], BLOCK_M, BLOCK_N, False)
     else:  # (row group, i % 8, key group, j % 8): whole calls
         C: tl.constexpr = BLOCK_N // 32
         i = (start_m // 16 + tl.arange(0, A))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
         j = (start_n // 32 + tl.arange(0, C))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
-        shape: tl.constexpr = (A, 8, C, 8)
-        w0, w1 = philox2x32(head_key, tl.broadcast_to(j, shape).to(tl.uint32) ^ x0,
-                            tl.broadcast_to(i, shape).to(tl.uint32) ^ x1)
-        bits = tl.join(tl.join(tl.join(w0 << 24, w0 << 16), tl.join(w0 << 8, w0)),
-                       tl.join(tl.join(w1 << 24, w1 << 16), tl.join(w1 << 8, w1)))  # (..., y % 2, y // 2, x)
-        # (A, 8, C, 8, y % 2, y // 2, x) -> (A, x, 8, C, y // 2, y % 2, 8)
-        bits = tl.reshape(tl.permute(bits, (0, 6, 1, 2, 5, 4, 3)), (BLOCK_M, BLOCK_N))
-    return bits >= bar
+        w0, w1 = dropout_words(seed, bh, i, j)
+        bits = dropout_whole_bytes(w0, w1, BLOCK_M, BLOCK_N)
+    return bits >= dropout_bar(threshold)
+
+
+@triton.jit
+def dropout_bar(threshold):
+    """Each score's byte sits in the top 8 bits of a word: one unsigned compare with threshold << 24."""
+    return threshold.to(tl.uint32) << 24
+
+
+@triton.jit
+def dropout_words(seed, bh, i, j):
+    """The Philox2x32-10 calls of head bh at group counters i (rows: i0 // 16 * 8 + i0 % 8) and j
+    (keys: j0 // 32 * 8 + j0 % 8), broadcast against each other: (w0, w1)."""
+    key, x0, x1 = seed
+    head_key = tl.add(key, tl.mul(bh.to(tl.uint32), HEAD_KEY_STRIDE, sanitize_overflow=False),
+                      sanitize_overflow=False)
+    c0, c1 = tl.broadcast(j.to(tl.uint32) ^ x0, i.to(tl.uint32) ^ x1)
+    return philox2x32(head_key, c0, c1)
+
+
+@triton.jit
+def dropout_whole_bytes(w0, w1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The calls of (A, 8, C, 8) whole groups spread over their (BLOCK_M, BLOCK_N) scores, each
+    score's byte in the top 8 bits of its word."""
+    bits = tl.join(tl.join(tl.join(w0 << 24, w0 << 16), tl.join(w0 << 8, w0)),
+                   tl.join(tl.join(w1 << 24, w1 << 16), tl.join(w1 << 8, w1)))  # (..., y % 2, y // 2, x)
+    # (A, 8, C, 8, y % 2, y // 2, x) -> (A, x, 8, C, y // 2, y % 2, 8)
+    return tl.reshape(tl.permute(bits, (0, 6, 1, 2, 5, 4, 3)), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def dropout_half_bytes(w0, w1, up, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The calls of half groups, (A, 8, B, 8) or TRANSPOSED (B, 8, A, 8) with B 16-key blocks, spread
+    over their (ROWS, COLS) scores: the two bytes of each word a 16-key block reads (`up` shifts
+    the first to the top)."""
+    bits = tl.join(tl.join(w0 << up, w0 << (up - 8)), tl.join(w1 << up, w1 << (up - 8)))  # (..., y % 2, x)
+    if TRANSPOSED:  # (B, 8, A, 8, y % 2, x) -> (B, y % 2, 8, A, x, 8)
+        bits = tl.permute(bits, (0, 4, 1, 2, 5, 3))
+    else:  # (A, 8, B, 8, y % 2, x) -> (A, x, 8, B, y % 2, 8)
+        bits = tl.permute(bits, (0, 5, 1, 2, 4, 3))
+    return tl.reshape(bits, (ROWS, COLS))
+
+
+@gluon.jit
+def dropout_words_sm90(seed, bh, start_m, start_n, ROWS: gl.constexpr, KEYS: gl.constexpr,
+                       TRANSPOSED: gl.constexpr):
+    """dropout_keep's Philox calls for a Hopper kernel's wgmma accumulator of rows [start_m,
+    start_m + ROWS) x keys [start_n, start_n + KEYS), or its transpose, held by one warpgroup
+    (four warps of 16 rows, or of 16 keys when TRANSPOSED). The group tensor is laid out so that
+    each thread makes the calls of its own scores, which dropout_keep_sm90 then spreads over the
+    accumulator's layout without moving data between threads: issued before the wait for the
+    scores, the calls run under the matrix product. (w0, w1, shift) for dropout_keep_sm90."""
+    if TRANSPOSED:  # (KEYS // 16, 8, ROWS // 16, 8): a call per 16-key block, half of its bytes ours
+        g: gl.constexpr = gl.BlockedLayout([1, 1, ROWS // 16, 2], [1, 8, 1, 4], [gl.num_warps(), 1, 1, 1],
+                                           [3, 2, 1, 0])
+        outer: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, g))  # dims 0, 1: keys
+        inner: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, g))  # dims 2, 3: rows
+        kb = start_n // 16 + gl.arange(0, KEYS // 16, layout=gl.SliceLayout(1, outer))
+        keys = (kb // 2)[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, outer))[None, :]
+        rows = ((start_m // 16 + gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, inner)))[:, None] * 8
+                + gl.arange(0, 8, layout=gl.SliceLayout(0, inner))[None, :])
+        w0, w1 = dropout_words(seed, bh, rows[None, None, :, :], keys[:, :, None, None])
+        up = (24 - kb % 2 * 16).to(gl.uint32)  # as in dropout_keep
+        words = (w0, w1, up[:, None][:, :, None, None])
+    else:  # (ROWS // 16, 8, KEYS // 32, 8): whole calls
+        g: gl.constexpr = gl.BlockedLayout([1, 1, KEYS // 32, 2], [1, 8, 1, 4], [gl.num_warps(), 1, 1, 1],
+                                           [3, 2, 1, 0])
+        outer: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, g))  # dims 0, 1: rows
+        inner: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, g))  # dims 2, 3: keys
+        rows = ((start_m // 16 + gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, outer)))[:, None] * 8
+                + gl.arange(0, 8, layout=gl.SliceLayout(0, outer))[None, :])
+        keys = ((start_n // 32 + gl.arange(0, KEYS // 32, layout=gl.SliceLayout(1, inner)))[:, None] * 8
+                + gl.arange(0, 8, layout=gl.SliceLayout(0, inner))[None, :])
+        w0, w1 = dropout_words(seed, bh, rows[:, :, None, None], keys[None, None, :, :])
+        words = (w0, w1, 0)
+    return words
+
+
+@gluon.jit
+def dropout_keep_sm90(words, threshold, layout: gl.constexpr, ROWS: gl.constexpr, KEYS: gl.constexpr,
+                      TRANSPOSED: gl.constexpr):
+    """The keep-mask of dropout_words_sm90's calls in the accumulator's `layout`: (ROWS, KEYS), or
+    (KEYS, ROWS) when TRANSPOSED; bit for bit dropout_keep's (the conversion is asserted trivial)."""
+    w0, w1, up = words
+    if TRANSPOSED:
+        bits = dropout_half_bytes(w0, w1, up, KEYS, ROWS, True)
+    else:
+        bits = dropout_whole_bytes(w0, w1, ROWS, KEYS)
+    return gl.convert_layout(bits, layout, assert_trivial=True) >= dropout_bar(threshold)
 
 
 @triton.jit

@@ -43,7 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
-                                   dropout_seed, head_chunked_order, head_dim_mask, in_window,
+                                   dropout_keep_sm90, dropout_seed, dropout_words_sm90, head_chunked_order, head_dim_mask, in_window,
                                    kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
@@ -484,10 +484,12 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         dv.zero_()
         return dq, dk, dv
 
-    hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq)
-    if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen,
-                                               dropout) and (not accumulate_dq or tma_ok(dq)):
-        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq)
+    hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq,
+                                                                        dropout=has_dropout)
+    if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes,
+                                               varlen) and (not accumulate_dq or tma_ok(dq)):
+        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
+                     dropout)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -599,14 +601,17 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 @gluon.jit
 def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, hk, group, start_n, lo,
-                      n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr):
+                      n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale, Rng, nheads,
+                      threshold, dropout_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      DEFER_DQ: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
     its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
     dQ product ahead of its own S^T, so that product's trip out (shared memory, TMA reduce-add)
     runs under S^T; no product is left in flight from one step to the next (ptxas would serialise
-    every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ."""
+    every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ.
+    HAS_DROPOUT: P^T and dP^T see the forward's keep-mask (made while S^T is computed), dV is
+    scaled by 1 / (1 - p) at the end, as in the Triton programs."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]  # this warpgroup's keys (with SPLIT_D, the program's)
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -627,6 +632,11 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     dk = gl.zeros([HALF_N, OWN_D], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, OWN_D], gl.float32, kv_layout)
     n_steps = group * n_m
+    if HAS_DROPOUT:
+        seed = dropout_seed(Rng)
+    else:
+        seed = (0, 0, 0)
+    drop = (seed, b * nheads + hk * group, threshold, dropout_scale)  # bh of step i: drop[1] + i // n_m
     if SPLIT_D:
         if n_steps > 0:
             mbarrier.wait(kv_bar, 0)
@@ -634,19 +644,19 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
             dk, dv = _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                           q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
                                           full_lo, full_hi, sk, diag_offset, left, right, qk_scale, start_n, dq_zero,
-                                          HAS_LEFT, HAS_RIGHT)
+                                          drop, HAS_LEFT, HAS_RIGHT, HAS_DROPOUT)
     elif n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
             dk, dv = _bwd_sm90_step(0, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                     dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
-                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, offs_n, s_zero, dq_zero,
-                                    HAS_LEFT, HAS_RIGHT, True, False)
+                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, key0, offs_n, s_zero,
+                                    dq_zero, drop, HAS_LEFT, HAS_RIGHT, True, False, HAS_DROPOUT)
         for i in range(1 if DEFER_DQ else 0, n_steps):
             dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                     dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
-                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, offs_n, s_zero, dq_zero,
-                                    HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ)
+                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, key0, offs_n, s_zero,
+                                    dq_zero, drop, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_DROPOUT)
         if DEFER_DQ:
             last = n_steps - 1
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
@@ -666,6 +676,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         dk_smem = k_bufs.index(half)
         dv_smem = v_bufs.index(half)
         col = 0
+    if HAS_DROPOUT:
+        dv = dv * dropout_scale
     dk_smem.reshape([HALF_N, OWN_D]).store((dk * softmax_scale).to(q_bufs.dtype))
     dv_smem.reshape([HALF_N, OWN_D]).store(dv.to(q_bufs.dtype))
     fence_async_shared()
@@ -677,8 +689,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
 @gluon.jit
 def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, q_ready,
                    do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m, full_lo, full_hi, sk,
-                   diag_offset, left, right, qk_scale, offs_n, s_zero, dq_zero, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr):
+                   diag_offset, left, right, qk_scale, key0, offs_n, s_zero, dq_zero, drop, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr,
+                   HAS_DROPOUT: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
     and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
     step i-1's dQ first (HAS_PREV). Returns dK, dV."""
@@ -687,7 +700,8 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     HALF_N: gl.constexpr = k_bufs.shape[2]
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)  # per query row, along S^T's columns
+    s_layout: gl.constexpr = s_zero.type.layout
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query row, along S^T's columns
     dtype: gl.constexpr = q_bufs.dtype
     stage = i % NUM_STAGES
     phase = (i // NUM_STAGES) & 1
@@ -705,6 +719,9 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
     v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP^T = V dO^T
+    if HAS_DROPOUT:
+        seed, bh0, threshold, dropout_scale = drop
+        words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
     s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p_t = gl.exp2(s_t * qk_scale - lse_bufs.index(stage).load(row_layout)[None, :])
@@ -712,9 +729,16 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = gl.where(ok, p_t, 0.0)
-    p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+    if HAS_DROPOUT:  # P >= 0, so its sign can carry the keep-mask to dP^T: no registers for the mask
+        p_t = gl.where(dropout_keep_sm90(words, threshold, s_layout, BLOCK_M, HALF_N, True), p_t, -p_t)
+        p_op = gl.convert_layout(gl.maximum(p_t, 0.0).to(dtype), op_layout)
+    else:
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
+    if HAS_DROPOUT:  # where P = 0 the mask does not matter: dS = 0
+        dp_t = gl.where(p_t > 0.0, dp_t * dropout_scale, 0.0)
+        p_t = gl.abs(p_t)
     ds_t = (p_t * (dp_t - delta_bufs.index(stage).load(row_layout)[None, :])).to(dtype)
     ds_op = gl.convert_layout(ds_t, op_layout)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -751,8 +775,8 @@ def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero):
 @gluon.jit
 def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, q_ready,
                          do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m, full_lo, full_hi, sk,
-                         diag_offset, left, right, qk_scale, start_n, dq_zero, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr):
+                         diag_offset, left, right, qk_scale, start_n, dq_zero, drop, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Step i with SPLIT_D (FA3's schedule at d=256). The warpgroups split S = Q K^T and dP = dO V^T
     by keys, 32 each, and leave their columns of P and dS in shared memory; once both have, each
     takes dV += P^T dO, dK += dS^T Q and dQ = dS K in its half of the head dim, all operands from
@@ -785,6 +809,9 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
     v = v_bufs.index(0).reshape([BLOCK_N, BLOCK_D])
     dp_tok = warpgroup_mma(do, v.slice(half * OWN_N, OWN_N, dim=0).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
+    if HAS_DROPOUT:
+        seed, bh0, threshold, dropout_scale = drop
+        words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p = gl.exp2(s * qk_scale - lse_bufs.index(stage).load(row_layout)[:, None])
@@ -794,7 +821,12 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
         ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
         p = gl.where(ok, p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    if HAS_DROPOUT:
+        keep = dropout_keep_sm90(words, threshold, s_layout, BLOCK_M, OWN_N, False)
+        dp = gl.where(keep, dp * dropout_scale, 0.0)
     ds = p * (dp - delta_bufs.index(stage).load(row_layout)[:, None])
+    if HAS_DROPOUT:  # dV's operand
+        p = gl.where(keep, p, 0.0)
     # P and dS buffers alternate: a step's are overwritten two steps later, once both warpgroups
     # have passed the next step's ds_ready, i.e. finished this step's products
     par = i & 1
@@ -840,10 +872,10 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, start_m, h, half):
 
 
 @gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad"])
-def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
-                     nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr):
+def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
+                     nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale, threshold,
+                     dropout_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch); key block 0 first, the longest with a causal mask.
     A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
     share (configs.hopper_backward_split_d). rows_pad: rows per head of the LSE and delta buffers
@@ -901,11 +933,13 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, hk, group,
                              start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ)),
+                             softmax_scale, Rng, nheads, threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ,
+                             HAS_DROPOUT)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, hk, group,
                              start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ)),
+                             softmax_scale, Rng, nheads, threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ,
+                             HAS_DROPOUT)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad,
                           start_n, lo, n_m)),
@@ -915,11 +949,11 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen, dropout) -> bool:
+def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen) -> bool:
     """Can _bwd_kernel_sm90 take this call? As the Hopper forward (ops.forward._hopper_supports):
-    dense BSHD batches with a positive scale and no score modifier or dropout, whose inputs and
-    dK/dV TMA can address."""
-    if softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None or dropout is not None:
+    dense BSHD batches (dropout included) with a positive scale and no score modifier, whose inputs
+    and dK/dV TMA can address."""
+    if softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None:
         return False
     return all(map(tma_ok, (q, k, v, dout, dk, dv)))
 
@@ -935,9 +969,11 @@ def sm90_boxes(cfg, d: int) -> dict:
                 dk_desc=(keys, kv_cols), dv_desc=(keys, kv_cols), dq_desc=(cfg.block_m, d // 4 if split else d // 2))
 
 
-def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq):
+def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq,
+                 dropout=None):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
-    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled.
+    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled; dropout as
+    attention_backward's.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -956,12 +992,13 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     def box(t, name):
         return box_descriptor(t, *boxes[name])
 
+    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
         box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
-        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc, "dq_desc"),
+        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc, "dq_desc"), rng,
         h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+        threshold, dropout_scale, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
-        num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+        HAS_DROPOUT=has_dropout, num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

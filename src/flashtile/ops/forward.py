@@ -33,8 +33,9 @@ from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, current_stream, launch
 from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, dropout_keep,
-                                   dropout_seed, fold_sink, head_dim_mask, kernel_scale, load_tile_pair, lse_row_base, page_of,
-                                   q_block_of, q_block_program, scores_log2, seq_bounds, visible)
+                                   dropout_keep_sm90, dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask,
+                                   kernel_scale, load_tile_pair, lse_row_base, page_of, q_block_of, q_block_program,
+                                   scores_log2, seq_bounds, visible)
 
 
 @triton.jit
@@ -247,9 +248,8 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     if b * sq == 0:
         return out, lse
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq)
-    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, has_dropout,
-                                               sink):
-        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right)
+    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, sink):
+        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout)
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
@@ -402,11 +402,14 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 @gluon.jit
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                       tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                      qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+                      qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
+                      HAS_DROPOUT: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
-    while the loader brings the next tile's Q and first K/V blocks."""
+    while the loader brings the next tile's Q and first K/V blocks. HAS_DROPOUT: as the Triton
+    kernel, P V sees the keep-mask and l does not; a block's Philox calls are made while its S
+    is computed."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     HALF_M: gl.constexpr = q_bufs.shape[2]
@@ -420,6 +423,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
     dtype: gl.constexpr = q_bufs.dtype
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): S's layout
     diag_offset = sk - sq
+    if HAS_DROPOUT:
+        seed = dropout_seed(Rng)
     it = 0
     q_loads = 0
     n = 0
@@ -439,8 +444,12 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
             mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
             k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
             s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+            if HAS_DROPOUT:
+                words = dropout_words_sm90(seed, b * nheads + h, row0, lo, HALF_M, BLOCK_N, False)
             p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
                                                   left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
+            if HAS_DROPOUT:  # l sums P before dropout; only P V sees the mask
+                p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
             mbarrier.arrive(k_empty.index(stage), count=1)
             for j in range(1, n_blocks):
                 prev = (it + j - 1) % NUM_STAGES
@@ -452,8 +461,12 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                 v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
                 o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                if HAS_DROPOUT:
+                    words = dropout_words_sm90(seed, b * nheads + h, row0, lo + j * BLOCK_N, HALF_M, BLOCK_N, False)
                 p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
                                                       sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 1)
+                if HAS_DROPOUT:
+                    p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 # P_{j-1} is a register operand of the product in flight: it stays untouched until the
                 # product is done
@@ -474,7 +487,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         empty = l_o == 0.0
-        out = acc / gl.where(empty, 1.0, l_o)[:, None]
+        l_safe = gl.where(empty, 1.0, l_o)
+        if HAS_DROPOUT:  # the kept products scaled by 1 / (1 - p)
+            l_safe = l_safe / dropout_scale
+        out = acc / l_safe[:, None]
         lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * LN2)
         offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
@@ -490,10 +506,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
 
 
 @gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right"])
-def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, stride_ob, stride_om, stride_oh,
-                     n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale,
+def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_ob, stride_om, stride_oh,
+                     n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, threshold, dropout_scale,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
     leaves while the next one's Q and K/V come in."""
@@ -526,10 +542,12 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, stride_ob, s
     gl.warp_specialize([
         (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                              tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
+                             qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
+                             HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
         (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                              tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                             qk_scale, stride_ob, stride_om, stride_oh, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
+                             qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
+                             HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
         (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                           v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                           sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
@@ -544,12 +562,11 @@ def tma_ok(t) -> bool:
             and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, has_dropout, sink) -> bool:
-    """Can _fwd_kernel_sm90 take this call? Dense BSHD batches with a positive scale (its row max
-    is taken on raw products) and without the score modifiers, whose inputs TMA can address and
+def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, sink) -> bool:
+    """Can _fwd_kernel_sm90 take this call? Dense BSHD batches (dropout included) with a positive
+    scale (its row max is taken on raw products) and without the score modifiers, whose inputs TMA can address and
     whose output has a contiguous head dim."""
-    if (qk_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None or has_dropout
-            or sink is not None):
+    if qk_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None or sink is not None:
         return False
     return all(map(tma_ok, (q, k, v))) and out.stride(-1) == 1
 
@@ -592,20 +609,22 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right):
+def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None):
     """Tiles of cfg.block_m rows in two halves, one per consumer warpgroup (cfg.num_warps = 4
     each); cfg.num_stages K/V buffers; a program per SM walking tiles where
-    configs.hopper_forward_persistent says so, else a program per tile."""
+    configs.hopper_forward_persistent says so, else a program per tile. dropout as
+    attention_forward's."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     n_m = cdiv(sq, cfg.block_m)
     n_tiles = n_m * h * b
     persistent = configs.hopper_forward_persistent(d)
     grid = (min(n_tiles, configs.num_sms(q.device)) if persistent else n_tiles, )
+    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // 2),
-                           box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n),
+                           box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng,
                            out.stride(0), out.stride(1), out.stride(2),
-                           n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
+                           n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, threshold, dropout_scale,
                            HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
-                           num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+                           HAS_DROPOUT=has_dropout, num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
