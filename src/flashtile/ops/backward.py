@@ -43,8 +43,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
-                                   dropout_keep_sm90, dropout_seed, dropout_words_sm90, head_chunked_order, head_dim_mask, in_window,
-                                   kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds, visible)
+                                   dropout_keep_sm90, dropout_seed, dropout_words_sm90, head_chunked_order,
+                                   head_dim_mask, in_window, kernel_scale, load_tile_pair, lse_row_base, scores_log2,
+                                   seq_bounds, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
