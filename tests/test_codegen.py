@@ -86,10 +86,13 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
     """HAS_DROPOUT in both Hopper kernels: the Philox calls lay out so that the keep-mask reaches
     the wgmma accumulator's layout without moving data (dropout_keep_sm90 asserts the conversion
     trivial, so this compile fails otherwise), wgmmas still asynchronous. Spills: the calls' 16
-    words per thread beside the tile (the forward at d=128 232 bytes, 200 without dropout; the
-    backward at d=128 164 / 252; at d=64 with its 64-row dropout blocks none)."""
+    words per thread beside the tile. The forward at d=128 368 bytes (200 without dropout), ten
+    values of P stored and reloaded once per key block: with the 2 x 4 groups of 2 x 32 keys it
+    was 232 and none in the loop, and the loop measured 6% faster, but the backward 8% slower
+    (NOTES.md, "Dropout masks of 16-key groups"). The backward at d=128 108 / 128; at d=64 with
+    its 64-row dropout blocks none."""
     report = memory_ops(kernel, d, "--dropout", *(["--causal"] if causal else []))
-    bound = {"forward-sm90": {64: 208, 128: 240, 256: 16}, "backward-sm90": {64: 0, 128: 256, 256: 8}}[kernel][d]
+    bound = {"forward-sm90": {64: 64, 128: 384, 256: 48}, "backward-sm90": {64: 0, 128: 128, 256: 8}}[kernel][d]
     assert report["spill_bytes"] <= bound, report
     assert not report["wgmma_serialised"], report
     assert {24, 240} <= set(report["setmaxnreg"]), report

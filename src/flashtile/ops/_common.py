@@ -266,43 +266,40 @@ def dropout_keep(seed, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.
     head bh survive dropout: (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) when TRANSPOSED.
 
     One Philox2x32-10 call gives two 32-bit words, eight bytes: one for each score of the 2 x 4
-    group rows {i0, i0 + 8} x keys {j0, j0 + 8, j0 + 16, j0 + 24} (i0 = 16 (i // 16) + i % 8,
-    j0 = 32 (j // 32) + j % 8). seed = (key, x0, x1) of the call (dropout_seed); counter
-    (j0 // 32 * 8 + j0 % 8 ^ x0, i0 // 16 * 8 + i0 % 8 ^ x1), key + bh * HEAD_KEY_STRIDE (the XORs
-    are bijections, so one call's counters stay distinct, and 96 random bits set a call's
-    stream); score (i, j) reads byte (j // 8) % 4 (low byte first) of word (i // 8) % 2 and is
-    kept when it is >= threshold = round(p * 2^8) (_checks.dropout_threshold).
+    group rows {i0, i0 + 8} x keys {j0, j0 + 1, j0 + 8, j0 + 9} (i0 = 16 (i // 16) + i % 8,
+    j0 = 16 (j // 16) + j % 8 - j % 2). seed = (key, x0, x1) of the call (dropout_seed); counter
+    (j0 // 16 * 4 + j0 % 8 // 2 ^ x0, i0 // 16 * 8 + i0 % 8 ^ x1), key + bh * HEAD_KEY_STRIDE (the
+    XORs are bijections, so one call's counters stay distinct, and 96 random bits set a call's
+    stream); score (i, j) reads byte 2 ((j // 8) % 2) + (i // 8) % 2 (low byte first) of word
+    j % 2 and is kept when it is >= threshold = round(p * 2^8) (_checks.dropout_threshold).
     Why this grouping: in an MMA accumulator each warp holds 16 rows and a thread rows r and r + 8
-    of them, at keys 2q, 2q + 1 of every 8, so in the forward and dQ tiles (BLOCK_N a multiple of
-    32) a thread holds whole groups and a call's eight bytes serve eight of its scores. The dK/dV
-    programs hold the transposed tile, where a thread has keys j and j + 8 of a 16-key block only:
-    it makes the call of the group around them and uses four of the bytes (the group's other
-    half sits in another warp; moving bits between threads through shared memory cost more than
-    the repeated call, benchmarks/results/h100/NOTES.md). Key blocks of 16 do the same. Rows and keys
-    are indices within the sequence; bh = sequence * nheads + head. The mask depends on nothing
-    else, so the backward regenerates it exactly; reference/dropout.py builds the same mask in
-    plain PyTorch. start_m, start_n, BLOCK_M and BLOCK_N are multiples of 16, and start_n one of
-    32 when BLOCK_N is.
+    of them, at keys 2q, 2q + 1 of every 8. So in the forward and dQ tiles a thread holds whole
+    groups, and a call's eight bytes serve eight of its scores. The dK/dV tile is transposed: a
+    thread holds keys k and k + 8 of a 16-key block, lane ^ 4 holds keys k ^ 1 and k ^ 1 + 8, and
+    both hold rows 2q and 2q + 1 of every 8. Each of the two needs one word of the groups at
+    i0 = 2q and i0 = 2q + 1: a Hopper kernel makes one of those calls per thread and trades the
+    other word with lane ^ 4 (dropout_words_sm90); the Triton dK/dV programs here make both calls.
+    Rows and keys are indices within the sequence; bh = sequence * nheads + head. The mask depends
+    on nothing else, so the backward regenerates it exactly; reference/dropout.py builds the same
+    mask in plain PyTorch. start_m, start_n, BLOCK_M and BLOCK_N are multiples of 16.
     """
-    A: tl.constexpr = BLOCK_M // 16
-    if TRANSPOSED or BLOCK_N % 32 != 0:  # a call per 16-key block and row group: half its bytes are ours
-        B: tl.constexpr = BLOCK_N // 16
-        kb = start_n // 16 + tl.arange(0, B)
-        rows = (start_m // 16 + tl.arange(0, A))[:, None] * 8 + tl.arange(0, 8)[None, :]  # (A, 8)
-        keys = (kb // 2)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (B, 8)
-        up = (24 - kb % 2 * 16).to(tl.uint32)  # byte 0 (2 for keys j0 + 16, j0 + 24) to the top
-        if TRANSPOSED:  # (B, 8, A, 8)
-            w0, w1 = dropout_words(seed, bh, rows[None, None, :, :], keys[:, :, None, None])
-            bits = dropout_half_bytes(w0, w1, up[:, None, None, None], BLOCK_N, BLOCK_M, True)
-        else:  # (A, 8, B, 8)
-            w0, w1 = dropout_words(seed, bh, rows[:, :, None, None], keys[None, None, :, :])
-            bits = dropout_half_bytes(w0, w1, up[None, None, :, None], BLOCK_M, BLOCK_N, False)
-    else:  # (row group, i % 8, key group, j % 8): whole calls
-        C: tl.constexpr = BLOCK_N // 32
-        i = (start_m // 16 + tl.arange(0, A))[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
-        j = (start_n // 32 + tl.arange(0, C))[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+    if TRANSPOSED:  # (key block, k % 8, row block, q): the words of rows 2q and 2q + 1 for key k
+        kb = start_n // 16 + tl.arange(0, BLOCK_N // 16)
+        k8 = tl.arange(0, 8)
+        keys = (kb * 4)[:, None, None, None] + (k8 // 2)[None, :, None, None]
+        rows = ((start_m // 16 + tl.arange(0, BLOCK_M // 16)) * 8)[None, None, :, None] + \
+            (2 * tl.arange(0, 4))[None, None, None, :]
+        odd = (k8 % 2 == 1)[None, :, None, None]
+        e0, e1 = dropout_words(seed, bh, rows, keys)
+        o0, o1 = dropout_words(seed, bh, rows + 1, keys)
+        bits = dropout_bytes(tl.where(odd, e1, e0), tl.where(odd, o1, o0), BLOCK_N, BLOCK_M, True)
+    else:  # (row block, i % 8, key block, q): whole calls
+        i = (start_m // 16 + tl.arange(0, BLOCK_M // 16))[:, None, None, None] * 8 + \
+            tl.arange(0, 8)[None, :, None, None]
+        j = (start_n // 16 + tl.arange(0, BLOCK_N // 16))[None, None, :, None] * 4 + \
+            tl.arange(0, 4)[None, None, None, :]
         w0, w1 = dropout_words(seed, bh, i, j)
-        bits = dropout_whole_bytes(w0, w1, BLOCK_M, BLOCK_N)
+        bits = dropout_bytes(w0, w1, BLOCK_M, BLOCK_N, False)
     return bits >= dropout_bar(threshold)
 
 
@@ -315,7 +312,7 @@ def dropout_bar(threshold):
 @triton.jit
 def dropout_words(seed, bh, i, j):
     """The Philox2x32-10 calls of head bh at group counters i (rows: i0 // 16 * 8 + i0 % 8) and j
-    (keys: j0 // 32 * 8 + j0 % 8), broadcast against each other: (w0, w1)."""
+    (keys: j0 // 16 * 4 + j0 % 8 // 2), broadcast against each other: (w0, w1)."""
     key, x0, x1 = seed
     head_key = tl.add(key, tl.mul(bh.to(tl.uint32), HEAD_KEY_STRIDE, sanitize_overflow=False),
                       sanitize_overflow=False)
@@ -324,26 +321,23 @@ def dropout_words(seed, bh, i, j):
 
 
 @triton.jit
-def dropout_whole_bytes(w0, w1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The calls of (A, 8, C, 8) whole groups spread over their (BLOCK_M, BLOCK_N) scores, each
-    score's byte in the top 8 bits of its word."""
-    bits = tl.join(tl.join(tl.join(w0 << 24, w0 << 16), tl.join(w0 << 8, w0)),
-                   tl.join(tl.join(w1 << 24, w1 << 16), tl.join(w1 << 8, w1)))  # (..., y % 2, y // 2, x)
-    # (A, 8, C, 8, y % 2, y // 2, x) -> (A, x, 8, C, y // 2, y % 2, 8)
-    return tl.reshape(tl.permute(bits, (0, 6, 1, 2, 5, 4, 3)), (BLOCK_M, BLOCK_N))
+def dropout_bytes(w0, w1, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Words of (A, 8, B, 4) groups spread over their (ROWS, COLS) scores, each score's byte in
+    the top 8 bits of its word. Not TRANSPOSED: (row block, i % 8, key block, q), w0 and w1 the
+    words of keys j0 = 2q and j0 + 1. TRANSPOSED: (key block, k % 8, row block, q), w0 and w1 the
+    words of key k in the groups of rows 2q and 2q + 1."""
+    bits = tl.join(dropout_word_bytes(w0), dropout_word_bytes(w1))  # (..., i // 8 % 2, j // 8 % 2, w)
+    if TRANSPOSED:  # -> (key block, j // 8 % 2, k % 8, row block, i // 8 % 2, q, w)
+        bits = tl.permute(bits, (0, 5, 1, 2, 4, 3, 6))
+    else:  # -> (row block, i // 8 % 2, i % 8, key block, j // 8 % 2, q, w)
+        bits = tl.permute(bits, (0, 4, 1, 2, 5, 3, 6))
+    return tl.reshape(bits, (ROWS, COLS))
 
 
 @triton.jit
-def dropout_half_bytes(w0, w1, up, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The calls of half groups, (A, 8, B, 8) or TRANSPOSED (B, 8, A, 8) with B 16-key blocks, spread
-    over their (ROWS, COLS) scores: the two bytes of each word a 16-key block reads (`up` shifts
-    the first to the top)."""
-    bits = tl.join(tl.join(w0 << up, w0 << (up - 8)), tl.join(w1 << up, w1 << (up - 8)))  # (..., y % 2, x)
-    if TRANSPOSED:  # (B, 8, A, 8, y % 2, x) -> (B, y % 2, 8, A, x, 8)
-        bits = tl.permute(bits, (0, 4, 1, 2, 5, 3))
-    else:  # (A, 8, B, 8, y % 2, x) -> (A, x, 8, B, y % 2, 8)
-        bits = tl.permute(bits, (0, 5, 1, 2, 4, 3))
-    return tl.reshape(bits, (ROWS, COLS))
+def dropout_word_bytes(w):
+    """A word's four bytes, each moved to the top: (..., 2, 2) indexed [i // 8 % 2, j // 8 % 2]."""
+    return tl.join(tl.join(w << 24, w << 16), tl.join(w << 8, w))
 
 
 @gluon.jit
@@ -352,32 +346,35 @@ def dropout_words_sm90(seed, bh, start_m, start_n, ROWS: gl.constexpr, KEYS: gl.
     """dropout_keep's Philox calls for a Hopper kernel's wgmma accumulator of rows [start_m,
     start_m + ROWS) x keys [start_n, start_n + KEYS), or its transpose, held by one warpgroup
     (four warps of 16 rows, or of 16 keys when TRANSPOSED). The group tensor is laid out so that
-    each thread makes the calls of its own scores, which dropout_keep_sm90 then spreads over the
-    accumulator's layout without moving data between threads: issued before the wait for the
-    scores, the calls run under the matrix product. (w0, w1, shift) for dropout_keep_sm90."""
-    if TRANSPOSED:  # (KEYS // 16, 8, ROWS // 16, 8): a call per 16-key block, half of its bytes ours
-        g: gl.constexpr = gl.BlockedLayout([1, 1, ROWS // 16, 2], [1, 8, 1, 4], [gl.num_warps(), 1, 1, 1],
-                                           [3, 2, 1, 0])
-        outer: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, g))  # dims 0, 1: keys
-        inner: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, g))  # dims 2, 3: rows
-        kb = start_n // 16 + gl.arange(0, KEYS // 16, layout=gl.SliceLayout(1, outer))
-        keys = (kb // 2)[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, outer))[None, :]
+    each thread makes one call per 16 x 16 block of its scores, which dropout_keep_sm90 then
+    spreads over the accumulator's layout without moving data between threads: issued before
+    the wait for the scores, the calls run under the matrix product. TRANSPOSED, the thread with
+    the even key k calls the group of rows 2q, the one with k + 1 (lane ^ 4) that of rows 2q + 1,
+    and they trade a word by shuffle. (w0, w1) for dropout_keep_sm90."""
+    g: gl.constexpr = gl.BlockedLayout([1, 1, (ROWS if TRANSPOSED else KEYS) // 16, 1], [1, 8, 1, 4],
+                                       [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
+    outer: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, g))  # dims 0, 1
+    inner: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, g))  # dims 2, 3
+    if TRANSPOSED:  # (KEYS // 16, 8, ROWS // 16, 4)
+        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, outer))
+        keys = (start_n // 16 + gl.arange(0, KEYS // 16, layout=gl.SliceLayout(1, outer)))[:, None] * 4 + \
+            (k8 // 2)[None, :]
         rows = ((start_m // 16 + gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, inner)))[:, None] * 8
-                + gl.arange(0, 8, layout=gl.SliceLayout(0, inner))[None, :])
-        w0, w1 = dropout_words(seed, bh, rows[None, None, :, :], keys[:, :, None, None])
-        up = (24 - kb % 2 * 16).to(gl.uint32)  # as in dropout_keep
-        words = (w0, w1, up[:, None][:, :, None, None])
-    else:  # (ROWS // 16, 8, KEYS // 32, 8): whole calls
-        g: gl.constexpr = gl.BlockedLayout([1, 1, KEYS // 32, 2], [1, 8, 1, 4], [gl.num_warps(), 1, 1, 1],
-                                           [3, 2, 1, 0])
-        outer: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, g))  # dims 0, 1: rows
-        inner: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, g))  # dims 2, 3: keys
+                + 2 * gl.arange(0, 4, layout=gl.SliceLayout(0, inner))[None, :])
+        odd = (k8 % 2)[None, :][:, :, None, None]  # key k + 1, held by lane ^ 4 of key k's thread
+        w0, w1 = dropout_words(seed, bh, rows[None, None, :, :] + odd, keys[:, :, None, None])
+        is_odd = odd == 1
+        # each keeps the word of its own key (w0 of key k, w1 of k + 1) and sends the other one
+        got = gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 31, -1;", "=r,r",
+                                        [gl.where(is_odd, w0, w1)], dtype=gl.uint32, is_pure=False, pack=1)
+        mine = gl.where(is_odd, w1, w0)
+        words = (gl.where(is_odd, got, mine), gl.where(is_odd, mine, got))  # rows 2q, 2q + 1
+    else:  # (ROWS // 16, 8, KEYS // 16, 4)
         rows = ((start_m // 16 + gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, outer)))[:, None] * 8
                 + gl.arange(0, 8, layout=gl.SliceLayout(0, outer))[None, :])
-        keys = ((start_n // 32 + gl.arange(0, KEYS // 32, layout=gl.SliceLayout(1, inner)))[:, None] * 8
-                + gl.arange(0, 8, layout=gl.SliceLayout(0, inner))[None, :])
-        w0, w1 = dropout_words(seed, bh, rows[:, :, None, None], keys[None, None, :, :])
-        words = (w0, w1, 0)
+        keys = ((start_n // 16 + gl.arange(0, KEYS // 16, layout=gl.SliceLayout(1, inner)))[:, None] * 4
+                + gl.arange(0, 4, layout=gl.SliceLayout(0, inner))[None, :])
+        words = dropout_words(seed, bh, rows[:, :, None, None], keys[None, None, :, :])
     return words
 
 
@@ -386,11 +383,11 @@ def dropout_keep_sm90(words, threshold, layout: gl.constexpr, ROWS: gl.constexpr
                       TRANSPOSED: gl.constexpr):
     """The keep-mask of dropout_words_sm90's calls in the accumulator's `layout`: (ROWS, KEYS), or
     (KEYS, ROWS) when TRANSPOSED; bit for bit dropout_keep's (the conversion is asserted trivial)."""
-    w0, w1, up = words
+    w0, w1 = words
     if TRANSPOSED:
-        bits = dropout_half_bytes(w0, w1, up, KEYS, ROWS, True)
+        bits = dropout_bytes(w0, w1, KEYS, ROWS, True)
     else:
-        bits = dropout_whole_bytes(w0, w1, ROWS, KEYS)
+        bits = dropout_bytes(w0, w1, ROWS, KEYS, False)
     return gl.convert_layout(bits, layout, assert_trivial=True) >= dropout_bar(threshold)
 
 

@@ -9,9 +9,9 @@ the same bits for the same score.
 The key and counter of score (row i, key j) of sequence b, head h (H heads), and its bits:
 
     key   = seed_lo + (b * H + h) * 0x2545F491    (mod 2^32)
-    i0, j0 = 16 (i // 16) + i % 8, 32 (j // 32) + j % 8      (the 2 x 4 group {i0, i0+8} x {j0, j0+8, j0+16, j0+24})
-    w0, w1 = philox2x32(key, counter = ((j0 // 32 * 8 + j0 % 8) ^ seed_hi, (i0 // 16 * 8 + i0 % 8) ^ offset_lo))
-    bits(i, j) = byte (j // 8) % 4 (low first) of word w_{(i // 8) % 2}
+    i0, j0 = 16 (i // 16) + i % 8, 16 (j // 16) + j % 8 - j % 2   (the 2 x 4 group {i0, i0+8} x {j0, j0+1, j0+8, j0+9})
+    w0, w1 = philox2x32(key, counter = ((j0 // 16 * 4 + j0 % 8 // 2) ^ seed_hi, (i0 // 16 * 8 + i0 % 8) ^ offset_lo))
+    bits(i, j) = byte 2 ((j // 8) % 2) + (i // 8) % 2 (low first) of word w_{j % 2}
     keep(i, j) = bits(i, j) >= threshold = round(p * 2^8)      (_checks.dropout_threshold)
 
 (ops._common.dropout_keep says why the groups are 2 x 4.) seed and offset, 64 bits each, come
@@ -76,9 +76,9 @@ class DropoutMask:
         j = torch.arange(c0, c1, device=device).view(1, 1, 1, -1)
         bh = self.sequences.to(device).view(-1, 1) * self.nheads + torch.arange(self.nheads, device=device)
         key = (self.key + bh.view(-1, self.nheads, 1, 1) * HEAD_KEY_STRIDE) & _M32
-        w0, w1 = philox2x32(key, (j // 32 * 8 + j % 8) ^ self.x0, (i // 16 * 8 + i % 8) ^ self.x1)
-        word = torch.where((i // 8) % 2 == 1, w1, w0)
-        return ((word >> (8 * ((j // 8) % 4))) & 0xFF) >= self.threshold
+        w0, w1 = philox2x32(key, (j // 16 * 4 + j % 8 // 2) ^ self.x0, (i // 16 * 8 + i % 8) ^ self.x1)
+        word = torch.where(j % 2 == 1, w1, w0)
+        return ((word >> (8 * (2 * ((j // 8) % 2) + (i // 8) % 2))) & 0xFF) >= self.threshold
 
     def full(self, sq: int, sk: int, device=None) -> torch.Tensor:
         """The whole (b, h, sq, sk) mask, for naive.attention's dropout_mask."""
