@@ -737,10 +737,12 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
-    if HAS_DROPOUT:  # where P = 0 the mask does not matter: dS = 0
-        dp_t = gl.where(p_t > 0.0, dp_t * dropout_scale, 0.0)
-        p_t = gl.abs(p_t)
-    ds_t = (p_t * (dp_t - delta_bufs.index(stage).load(row_layout)[None, :])).to(dtype)
+    delta = delta_bufs.index(stage).load(row_layout)[None, :]
+    if HAS_DROPOUT:  # dS = P (keep dP / (1 - p) - D) = P' h + |P'| (h - D), h = dP / (2 (1 - p)), P' = +-P
+        h = dp_t * (0.5 * dropout_scale)
+        ds_t = (p_t * h + gl.abs(p_t) * (h - delta)).to(dtype)
+    else:
+        ds_t = (p_t * (dp_t - delta)).to(dtype)
     ds_op = gl.convert_layout(ds_t, op_layout)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
     # dS^T buffers alternate: a step's are overwritten two steps later, once both warpgroups have
