@@ -3,8 +3,11 @@
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
     python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout]   (the Gluon Hopper
         kernels: ptxas's report)
-    python tests/codegen_check.py decode D PAGE_SIZE [--append]   (the decoding split kernel, fp16,
-        16 q / 2 kv heads: registers, spills, shared memory)
+    python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine]   (the decoding split
+        kernel, fp16, 16 q / 2 kv heads: registers, spills, shared memory, whether it lets a dependent
+        launch start)
+    python tests/codegen_check.py combine D --pdl   (the decoding combine kernel as a programmatic
+        dependent launch: whether it waits for the launch before it ahead of every global load)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
 computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
@@ -170,7 +173,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False):
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
 
 
-def compile_decode(d: int, page_size: int, append: bool):
+def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False):
     """ops.decode._split_kernel as plan() launches it for an fp16 decoding step over a cache with
     16 q / 2 kv heads (one query row, one split): int32 cache_seqlens, a block table when paged,
     new k/v rows to append with `append`."""
@@ -183,6 +186,7 @@ def compile_decode(d: int, page_size: int, append: bool):
                  ROTARY_BY_ROW=False, DOT_PRECISION="ieee", EVEN_D=d == block_d, HAS_SEQLENS=True,
                  HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_ALIBI=False, FUSED_COMBINE=False,
                  MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=False, APPEND=append, BLOCK_T=1,
+                 LAUNCH_COMBINE=launch_combine,
                  OutF=None, LseF=None, Arrivals=None, Sink=None, BatchIdx=None, LeftPad=None, Slopes=None,
                  Cos=None, Sin=None)
     if not page_size:
@@ -204,6 +208,26 @@ def compile_decode(d: int, page_size: int, append: bool):
     src = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def compile_combine(d: int, pdl: bool):
+    """ops.decode._combine_kernel as decode.prepare_combine launches it for fp16 partials of 64 splits."""
+    cfg = configs.combine_config(64, d)
+    kernel = decode._combine_kernel
+    names = [p.name for p in kernel.params]
+    const = dict(HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d, HAS_SINK=False, PDL=pdl, Sink=None)
+    signature = {n: "constexpr" if n in const else
+                 {"OutP": "*fp16", "LseP": "*fp32", "Out": "*fp16", "Lse": "*fp32"}.get(n, "i32") for n in names}
+    src = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+
+
+def waits_before_loads(compiled) -> bool:
+    """Whether the PTX waits for the launch it depends on (griddepcontrol.wait) before its first
+    global load."""
+    ptx = compiled.asm["ptx"]
+    wait, load = ptx.find("griddepcontrol.wait"), ptx.find("ld.global")
+    return 0 <= wait < load
 
 
 def ptxas_report(compiled) -> dict:
@@ -258,8 +282,13 @@ def global_memory_ops(compiled) -> dict:
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv[0] == "decode":
-        compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv)
-        print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared)))
+        compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv, "--launch-combine" in argv)
+        print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared,
+                              launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"])))
+        sys.exit(0)
+    if argv[0] == "combine":
+        compiled = compile_combine(int(argv[1]), "--pdl" in argv)
+        print(json.dumps(dict(waits_before_loads=waits_before_loads(compiled))))
         sys.exit(0)
     if argv[0] in ("forward-sm90", "backward-sm90"):
         compile_hopper = compile_hopper_forward if argv[0] == "forward-sm90" else compile_hopper_backward

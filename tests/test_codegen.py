@@ -111,3 +111,14 @@ def test_decoding_append_costs_the_loop_nothing(page_size):
     assert plain["spill_bytes"] == append["spill_bytes"] == 0, (plain, append)
     assert append["shared_bytes"] == plain["shared_bytes"], (plain, append)
     assert append["regs"] <= plain["regs"], (plain, append)
+
+
+def test_decoding_combine_waits_for_the_split_kernel():
+    """On sm_90 a decoding call's combine kernel is a programmatic dependent launch of its split
+    kernel (configs.decode_combine_pdl): the split kernel lets it start once all its programs run,
+    and the combine programs must wait for the split kernel's partials (griddepcontrol.wait) before
+    they load any. Without the wait (PDL off) they would read partials being written."""
+    assert memory_ops("decode", 128, "0", "--launch-combine")["launches_dependents"]
+    assert not memory_ops("decode", 128, "0")["launches_dependents"]
+    assert memory_ops("combine", 128, "--pdl")["waits_before_loads"]
+    assert not memory_ops("combine", 128)["waits_before_loads"]

@@ -185,11 +185,12 @@ def test_plan_matches_the_call_and_the_oracle(page_size, dtype):
 
 
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
-@pytest.mark.parametrize("num_splits", [1, 0], ids=["one-split", "heuristic"])
+@pytest.mark.parametrize("num_splits", [1, 0, 64], ids=["one-split", "heuristic", "combine-kernel"])
 def test_plan_run_in_a_cuda_graph(page_size, num_splits):
     """plan.run reads nothing on the host: captured once, replayed on new q, k, v and cache
     contents (copied into the captured tensors), it equals an eager run of the same plan on copies
-    of the same inputs, bit for bit, and appends the same keys."""
+    of the same inputs, bit for bit, and appends the same keys. With 64 splits the merge is the
+    combine kernel, on sm_90 a programmatic dependent launch of the split kernel, in the graph too."""
     torch.manual_seed(0)
     b, h, hk, d, capacity = 4, 16, 2, 128, 4096
     lengths = [4000, 17, 3000, 0]

@@ -358,6 +358,13 @@ def decode_fuse_combine(num_splits: int) -> bool:
     return num_splits <= DECODE_FUSED_MAX_SPLITS
 
 
+def decode_combine_pdl(device: torch.device) -> bool:
+    """Whether a decoding call's combine kernel is a programmatic dependent launch of its split
+    kernel (sm_90 and later): its programs are resident when the split kernel ends, and the launch
+    gap between the two goes."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 class CombineConfig(NamedTuple):
     block_s: int  # splits merged per step
     block_d: int  # output columns per program

@@ -8,7 +8,10 @@ Two kernels, each a plain stream over HBM:
                    written into the cache, through the page table, by the same launch (APPEND):
                    each program writes those it reads, before it reads them
   _combine_kernel  out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s (seed 004's
-                   kernel 2); splits with lse = -inf (nothing seen) contribute nothing
+                   kernel 2); splits with lse = -inf (nothing seen) contribute nothing. Up to
+                   configs.DECODE_FUSED_MAX_SPLITS splits the split kernel's last program of a row
+                   merges instead (FUSED_COMBINE); above, on sm_90, the combine kernel is a
+                   programmatic dependent launch of the split kernel (no launch gap between them)
 
 An attention sink (HAS_SINK: a per-head logit with no value) joins each row once: in the split
 kernel's epilogue with one split, else as the merge's starting state (out 0, lse = the sink) -
@@ -33,6 +36,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
@@ -151,7 +155,7 @@ def _split_kernel(
     ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr,
-    APPEND: tl.constexpr, BLOCK_T: tl.constexpr,
+    APPEND: tl.constexpr, BLOCK_T: tl.constexpr, LAUNCH_COMBINE: tl.constexpr,
 ):
     """Attention of one (batch, kv head, M block) over one split of its keys, after appending
     Knew/Vnew (b, seqlen_new, hk, d) at cache positions cache_seqlens[b] + t (APPEND).
@@ -179,7 +183,11 @@ def _split_kernel(
     outside k_cache or of a sequence outside it are not written. Such rows get an output that
     means nothing, but nothing outside the cache, the page table or the rotary tables is read or
     written.
+    LAUNCH_COMBINE: the combine kernel follows as a programmatic dependent launch (sm_90): once
+    every program has started, its programs may too, and wait (gdc_wait) for this launch's writes.
     """
+    if LAUNCH_COMBINE:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     kh = tl.program_id(1) // m_blocks
     start_m = (tl.program_id(1) % m_blocks) * BLOCK_M
@@ -375,6 +383,7 @@ def _combine_kernel(
     stride_o0, stride_o1, stride_o2, stride_od,
     stride_l0, stride_l1, stride_l2, stride_k0, stride_k1, stride_k2,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the splits of one row (r0, r1, r2) over one BLOCK_D slice of its columns.
 
@@ -382,6 +391,8 @@ def _combine_kernel(
     LseP (S, n0, n1, n2), any strides (the decode partials are (S, b, sq, h, d) and (S, b, h, sq),
     read through strides). An online merge over BLOCK_S splits at a time (usually one step).
     HAS_SINK: the merge starts from the row's sink (out 0, lse = Sink at strides stride_k*).
+    PDL: launched as a programmatic dependent of the launch that writes the partials (the decoding
+    split kernel): the programs start while that launch runs and wait for its writes before loading.
     """
     row = tl.program_id(0)
     r0 = row // (n1 * n2)
@@ -399,6 +410,8 @@ def _combine_kernel(
         m = tl.full([], float("-inf"), dtype=tl.float32)
         l = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if PDL:
+        gdc_wait()
     for s0 in range(0, num_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         lse = tl.load(LseP + offs_s.to(tl.int64) * stride_qs, mask=offs_s < num_splits,
@@ -429,16 +442,19 @@ def _combine_kernel(
 # launchers add the layer's tensors
 # --------------------------------------------------------------------------------------------
 
-def prepare_combine(num_splits: int, d: int, rows: tuple, strides: tuple, has_sink: bool = False) -> Prepared:
+def prepare_combine(num_splits: int, d: int, rows: tuple, strides: tuple, has_sink: bool = False,
+                    pdl: bool = False) -> Prepared:
     """The merge of partials (S, n0, n1, n2, d) / (S, n0, n1, n2) into out (n0, n1, n2, d) / lse
     (n0, n1, n2), rows = (n0, n1, n2); strides = the four tensors' strides in those dim orders, and
     the sink's over the rows (given apart from the tensors, so that a permuted or broadcast layout
     needs no view). The call passes the tensors (out_partial, lse_partial, out, lse, sink or None)
-    and no scalars."""
+    and no scalars. pdl: a programmatic dependent launch of the kernel before it in the stream
+    (_combine_kernel's PDL)."""
     n0, n1, n2 = rows
     cfg = configs.combine_config(num_splits, d)
     return Prepared(_combine_kernel, (n0 * n1 * n2, cdiv(d, cfg.block_d)), (), (num_splits, n1, n2, *strides),
-                    cfg.num_warps, 3, HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d, HAS_SINK=has_sink)
+                    cfg.num_warps, 3, pdl, HEAD_DIM=d, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d, HAS_SINK=has_sink,
+                    PDL=pdl)
 
 
 def merge_states(out_partial: torch.Tensor, lse_partial: torch.Tensor, sink=None):
@@ -535,6 +551,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     sizes = (lse_offset + num_splits * b * h * sq, lse_offset)
     combine = None
     fused = num_splits > 1 and configs.decode_fuse_combine(num_splits)
+    pdl = num_splits > 1 and not fused and configs.decode_combine_pdl(device)
     if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
         o_strides, l_strides = (0, *out_strides), (0, *lse_strides)
     else:
@@ -546,7 +563,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
         (ob, om, oh, od), (lb, lh, lm) = out_strides, lse_strides
         if not fused:
             combine = prepare_combine(num_splits, d, (b, sq, h), (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od,
-                                                                   lb, lm, lh, 0, 0, 1), has_sink)
+                                                                   lb, lm, lh, 0, 0, 1), has_sink, pdl)
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     split = None
     if b > 0:
@@ -562,7 +579,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
             HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
             MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
-            BLOCK_T=min(16, next_pow2(seqlen_new)), **flags)
+            BLOCK_T=min(16, next_pow2(seqlen_new)), LAUNCH_COMBINE=pdl, **flags)
     return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, combine, fused, sizes, {}, {},
                         has_sink)
 
