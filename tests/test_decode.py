@@ -298,9 +298,11 @@ def test_merge_errors(args, error, message):
 # ---- the num_splits heuristic --------------------------------------------------------------------
 
 # seed 004's table (16 q / 2 kv heads) and the Llama-3-8B shape (8 kv heads) on an H100, d=128 fp16:
-# the counts the sweep measured best or within 3% (benchmarks/results/h100/decode_sweep.json)
+# the counts the sweeps measured best or within 3% (benchmarks/results/h100/decode_sweep.json,
+# sweep_rounds.json), contiguous and with 16-token pages
 SEED_SHAPES = {(256, 256, 2): 1, (128, 512, 2): 1, (16, 4096, 2): 8, (8, 8192, 2): 16, (2, 32768, 2): 64,
-               (1, 65536, 2): 128, (1, 131072, 2): 256, (64, 8192, 8): 1}
+               (1, 65536, 2): 128, (1, 131072, 2): 132, (64, 8192, 8): 1}
+PAGED_SHAPES = {(1, 131072, 2): 256, (1, 65536, 2): 128, (2, 65536, 8): 33, (1, 32768, 8): 64}
 
 
 @pytest.mark.parametrize("shape,want", SEED_SHAPES.items(), ids=[f"b{b}-ctx{c}-hk{k}" for b, c, k in SEED_SHAPES])
@@ -310,15 +312,26 @@ def test_num_splits_seed_shapes(shape, want):
     assert configs.decode_num_splits(b * hk, ctx, block_n, 132) == want
 
 
+@pytest.mark.parametrize("shape,want", PAGED_SHAPES.items(), ids=[f"b{b}-ctx{c}-hk{k}" for b, c, k in PAGED_SHAPES])
+def test_num_splits_paged(shape, want):
+    """16-token pages split twice as finely where the grid decides: their gathers measured faster
+    with two rounds of programs, contiguous caches with one (sweep_rounds.json)."""
+    b, ctx, hk = shape
+    block_n = configs.decode_config(8, 128, torch.float16, 16, torch.device("cuda")).block_n
+    assert configs.decode_num_splits(b * hk, ctx, block_n, 132, paged=True) == want
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_sms", [16, 132])
-def test_num_splits_invariants(num_sms):
+def test_num_splits_invariants(num_sms, paged):
     slots = configs.DECODE_PROGRAMS_PER_SM * num_sms
+    rounds = configs.DECODE_ROUNDS_PAGED if paged else configs.DECODE_ROUNDS
     for programs in (1, 2, 3, 7, 32, 100, 211, 212, 264, 1000):
         for keys in (0, 1, 63, 64, 255, 256, 1000, 4096, 131072, 10**6):
-            n = configs.decode_num_splits(programs, keys, 64, num_sms)
+            n = configs.decode_num_splits(programs, keys, 64, num_sms, paged)
             assert n >= 1
             if n > 1:  # splitting only to fill the GPU, and never into slivers
-                assert programs * n <= configs.DECODE_ROUNDS * slots
+                assert programs * n <= rounds * slots
                 assert n * configs.DECODE_MIN_BLOCKS_PER_SPLIT * 64 < keys + configs.DECODE_MIN_BLOCKS_PER_SPLIT * 64
             if programs >= configs.DECODE_NO_SPLIT_FILL * slots:
                 assert n == 1

@@ -282,7 +282,7 @@ def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
     cfg = configs.decode_config(sq * h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE))
     m_blocks = _launch.cdiv(sq * h // hk, cfg.block_m)
     return configs.decode_num_splits(batch * hk * m_blocks, context, cfg.block_n,
-                                     configs.num_sms(torch.device(DEVICE)))
+                                     configs.num_sms(torch.device(DEVICE)), page_size > 0)
 
 
 def run(args, path: str | None = None) -> dict:

@@ -265,7 +265,8 @@ DECODE_INTERPRETER_BLOCK_N = 32
 # The num_splits heuristic (decode_num_splits); H100 numbers, see its docstring.
 DECODE_PROGRAMS_PER_SM = 2  # programs counted per SM when sizing the grid ("slots"); 2-3 fit at once
 DECODE_NO_SPLIT_FILL = 0.8  # one program per (batch, kv head) filling 80% of the slots is enough
-DECODE_ROUNDS = 2  # otherwise fill every slot this many times over
+DECODE_ROUNDS = 1  # otherwise fill every slot this many times over (contiguous caches)
+DECODE_ROUNDS_PAGED = 2  # ... over paged ones
 DECODE_MIN_BLOCKS_PER_SPLIT = 8  # >= 8 key tiles per split (see decode_num_splits)
 DECODE_FUSED_MAX_SPLITS = 8  # the split kernel merges up to this many splits itself (decode_fuse_combine)
 DECODE_MERGE_UNROLL = 4  # splits whose partial tiles the fused merge loads at once
@@ -316,7 +317,7 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 2)
 
 
-def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:
+def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int, paged: bool = False) -> int:
     """How many pieces to cut each sequence's keys into (Flash-Decoding's new parallel axis).
 
     programs: the split kernel's programs with one split, batch * nheads_k * M blocks.
@@ -330,8 +331,13 @@ def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) 
     1. programs >= DECODE_NO_SPLIT_FILL x slots (large batch: 256 x 2 KV heads): no split, so no
        partials and no combine kernel. Splitting could not make a full GPU read faster (256 x
        256 keys: 27.5 us with 1 split, 35.4 with 2, 43.8 with 4).
-    2. Otherwise cut the keys so the grid fills the slots DECODE_ROUNDS times: floor(rounds x slots
-       / programs); one round would leave the GPU idle behind the slowest program.
+    2. Otherwise cut the keys so the grid fills the slots DECODE_ROUNDS times (paged caches:
+       DECODE_ROUNDS_PAGED): floor(rounds x slots / programs). Device time with the combine kernel
+       (sweep_rounds.json, 2026-11-24), contiguous, one round against two: 1 x 131072 keys 53.5 us
+       with 128 splits against 54.2 with 256, 32 / 8 heads 2 x 65536 185.7 with 16 against 190.5
+       with 33, 1 x 32768 53.4 with 32 against 53.5 with 64; 16-token pages the other way (57.0
+       against 59.3, 195.4 against 204.3, 57.3 against 59.7): their gathers want more programs in
+       flight.
     3. But never below DECODE_MIN_BLOCKS_PER_SPLIT key tiles per split: a split pays a fixed cost
        (load q, write rows x d fp32 partials, read them again in the combine). 8 tiles measured
        best or within 3% (device time, 64-key tiles): 16 x 4096 keys 30.4 us with 8 splits against
@@ -341,7 +347,7 @@ def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int) 
     slots = DECODE_PROGRAMS_PER_SM * num_sms
     if programs >= DECODE_NO_SPLIT_FILL * slots:
         return 1
-    by_fill = (DECODE_ROUNDS * slots) // max(programs, 1)
+    by_fill = ((DECODE_ROUNDS_PAGED if paged else DECODE_ROUNDS) * slots) // max(programs, 1)
     by_keys = cdiv(max(max_keys, 1), DECODE_MIN_BLOCKS_PER_SPLIT * block_n)
     return max(1, min(by_fill, by_keys))
 

@@ -530,7 +530,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     m_blocks = cdiv(sq * group, cfg.block_m)
     if num_splits == 0:
         num_splits = configs.decode_num_splits(b * hk * m_blocks, capacity if max_keys is None else max_keys,
-                                               cfg.block_n, configs.num_sms(device))
+                                               cfg.block_n, configs.num_sms(device), page_size > 0)
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     if rotary_cos is None:
         rotary_dim, rotary_len, rotary_strides = 0, 0, (0, 0, 0, 0)
