@@ -115,7 +115,7 @@ def test_decoding_append_costs_the_loop_nothing(page_size):
 
 def test_decoding_combine_waits_for_the_split_kernel():
     """On sm_90 a decoding call's combine kernel is a programmatic dependent launch of its split
-    kernel (configs.decode_combine_pdl): the split kernel lets it start once all its programs run,
+    kernel (configs.supports_pdl): the split kernel lets it start once all its programs run,
     and the combine programs must wait for the split kernel's partials (griddepcontrol.wait) before
     they load any. Without the wait (PDL off) they would read partials being written."""
     assert memory_ops("decode", 128, "0", "--launch-combine")["launches_dependents"]

@@ -192,6 +192,13 @@ class BackwardConfig(NamedTuple):
     pdl: bool = False
 
 
+def supports_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` can be programmatic dependent launches (sm_90 and later): the
+    backward's dK/dV launch after its dQ launch, and a decoding call's combine kernel after its
+    split kernel, whose programs are then resident when the split kernel ends (no launch gap)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @functools.lru_cache(maxsize=None)
 def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
                     dropout: bool = False) -> BackwardConfig:
@@ -233,7 +240,7 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     """
     if device.type != "cuda":
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, True)
-    pdl = torch.cuda.get_device_capability(device)[0] >= 9
+    pdl = supports_pdl(device)
     bd = padded_headdim(d)
     if dtype == torch.float32:
         if bd <= 128:
@@ -362,13 +369,6 @@ def decode_fuse_combine(num_splits: int) -> bool:
     (256 x 256) and 29.9 / 32.3 (128 x 512), 8 splits 30.0 / 30.9 (16 x 4096), 16 splits 32.4 /
     31.7 and 31.1 / 31.1, 32 splits 34.8 / 31.5, 128 splits 47.2 / 31.4 (1 x 65536)."""
     return num_splits <= DECODE_FUSED_MAX_SPLITS
-
-
-def decode_combine_pdl(device: torch.device) -> bool:
-    """Whether a decoding call's combine kernel is a programmatic dependent launch of its split
-    kernel (sm_90 and later): its programs are resident when the split kernel ends, and the launch
-    gap between the two goes."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 class CombineConfig(NamedTuple):

@@ -551,7 +551,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     sizes = (lse_offset + num_splits * b * h * sq, lse_offset)
     combine = None
     fused = num_splits > 1 and configs.decode_fuse_combine(num_splits)
-    pdl = num_splits > 1 and not fused and configs.decode_combine_pdl(device)
+    pdl = num_splits > 1 and not fused and configs.supports_pdl(device)
     if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
         o_strides, l_strides = (0, *out_strides), (0, *lse_strides)
     else:
