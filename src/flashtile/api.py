@@ -721,6 +721,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # so the next call plans (and checks) again. Bounded: each entry keeps its tensors alive.
 _recent_plans: dict = {}
 RECENT_PLANS = 8
+_PLAIN_TYPES = frozenset((type(None), bool, int, float, tuple))  # keyed by value without asking isinstance
 
 
 def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
@@ -734,7 +735,8 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
             # keyed by identity and version, anything else by value
             key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape,
                    q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
-                   *[(id(x), x._version) if isinstance(x, torch.Tensor) else x for x in args])
+                   *[x if type(x) in _PLAIN_TYPES else (id(x), x._version) if isinstance(x, torch.Tensor) else x
+                     for x in args])
             plan = _recent_plans.get(key)
         except (RuntimeError, TypeError):  # an inference tensor (no version counter), an unhashable option
             key = plan = None

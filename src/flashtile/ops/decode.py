@@ -632,6 +632,6 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, k=None, v=None, want_
         new_strides = (*k.stride(), *v.stride())
     p.split((q, k_cache, v_cache, k, v, o_buf, l_buf, *finals, sink),
             (*q.stride(), *k_cache.stride(), *v_cache.stride(), *new_strides), stream, key)
-    if p.combine is not None:
-        p.combine((o_buf, l_buf, out, lse, sink), (), stream)
+    if p.combine is not None:  # its tensors' key: the partials and lse are fp32, out q's dtype, all allocated here
+        p.combine((o_buf, l_buf, out, lse, sink), (), stream, (key[0], key[4]))
     return out, lse if want_lse else None
