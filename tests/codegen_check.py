@@ -122,10 +122,10 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False):
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
-                 HAS_DROPOUT=dropout)
+                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d))
     if not dropout:
         const["Rng"] = None
-    boxes = dict(q_desc=cfg.block_m // 2, k_desc=cfg.block_n, v_desc=cfg.block_n)
+    boxes = dict(q_desc=cfg.block_m // const["CONSUMERS"], k_desc=cfg.block_n, v_desc=cfg.block_n)
     signature = {}
     for n in names:
         if n in const:
@@ -138,7 +138,8 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False):
                             "dropout_scale": "fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
+                          options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG if const["CONSUMERS"] == 2
+                                       else forward.HOPPER_THREE_MAXNREG))
 
 
 def compile_hopper_backward(d: int, causal: bool, dropout: bool = False):

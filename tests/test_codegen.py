@@ -46,7 +46,8 @@ def test_uneven_head_dim_detected_as_scalar():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_forward_compiles_for_sm90(d, causal):
-    """The Gluon forward compiles for sm_90a with its register split (consumers 240, loader 24),
+    """The Gluon forward compiles for sm_90a with its register split (two consumers at 240, or
+    three at 160 at d=64; loader 24),
     inside the SM's 227 KB of shared memory, and with its wgmmas asynchronous: ptxas serialises
     them all (info C7514) when an accumulator is read while its product may still be in flight,
     which cost 12-20% of the TFLOP/s on the H100 before the first S got its own wait. Spills: at
@@ -57,7 +58,7 @@ def test_hopper_forward_compiles_for_sm90(d, causal):
     report = memory_ops("forward-sm90", d, *(["--causal"] if causal else []))
     assert report["spill_bytes"] <= 208, report
     assert not report["wgmma_serialised"], report
-    assert {24, 240} <= set(report["setmaxnreg"]), report
+    assert {24, 160 if d == 64 else 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report
 
 
@@ -95,7 +96,7 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
     bound = {"forward-sm90": {64: 64, 128: 384, 256: 48}, "backward-sm90": {64: 0, 128: 128, 256: 8}}[kernel][d]
     assert report["spill_bytes"] <= bound, report
     assert not report["wgmma_serialised"], report
-    assert {24, 240} <= set(report["setmaxnreg"]), report
+    assert {24, 160 if (kernel, d) == ("forward-sm90", 64) else 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report
 
 

@@ -59,8 +59,8 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90) where it is measured faster than
     forward_config's, else None (the Triton kernel runs).
 
-    block_m rows in two halves, one per consumer warpgroup of num_warps = 4 (the second consumer
-    and the loader warp come on top). prefill.json of 89be182 (bf16, 16k tokens, forward TFLOP/s,
+    block_m rows, 64 per consumer warpgroup of num_warps = 4 (hopper_forward_consumers; the other
+    consumers and the loader warp come on top). prefill.json of 89be182 (bf16, 16k tokens, forward TFLOP/s,
     this kernel / the Triton kernel in the same run, peer flashtile-triton): d=128 at 1k / 2k / 4k /
     8k / 16k 477 / 382, 526 / 451, 570 / 462, 610 / 486, 554 / 495; causal 299 / 290, 449 / 345,
     510 / 361, 560 / 401, 611 / 454. d=64 8k / 16k 453 / 418, 426 / 433; causal 420 / 383, 438 /
@@ -93,7 +93,14 @@ def hopper_forward_tiles(d: int) -> BlockConfig:
     """The Hopper forward's tiles at head dim d (64, 128 or 256). d=256 takes 64-key blocks: its
     128-key ones would not fit shared memory beside Q; (128, 32, 4, 3) measured 418-520 TFLOP/s
     against (128, 64, 4, 2)'s 487-662 in one sweep (NOTES.md "Hopper forward")."""
-    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(128, 128, 4, 2)
+    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d), 128, 4, 2)
+
+
+def hopper_forward_consumers(d: int) -> int:
+    """Consumer warpgroups of the Hopper forward, 64 query rows each: three at d=64 (160 registers
+    each; 1.06-1.12x two at 2k-16k, causal 1.00-1.04x, ab_three_consumers.txt), two elsewhere
+    (240 registers: a d=128 output tile alone takes 64 of them)."""
+    return 3 if d == 64 else 2
 
 
 def hopper_forward_q_stages(d: int) -> int:

@@ -267,18 +267,24 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # Hopper (sm_90) variant in Gluon: the same algorithm, with what Hopper adds made explicit.
 #
 # Persistent (PERSISTENT; at d=256, whose single Q buffer leaves nothing to overlap, a program per
-# tile): one program per SM walks tiles of 2 x 64 query rows, taking each next tile from a
+# tile): one program per SM walks tiles of CONSUMERS x 64 query rows, taking each next tile from a
 # counter, so a tile's epilogue runs under the next tile's loads. A one-warp loader partition
 # brings each tile's Q (into one of Q_STAGES buffers) and its K/V blocks through a ring of
-# NUM_STAGES shared buffers with TMA (ready barriers per buffer and operand; empty barriers both
-# consumers release, K's after its S = Q K^T, V's after its P V and Q's after the tile's last S). Two
-# consumer warpgroups (the default partition and a worker) each run the online softmax of their
+# NUM_STAGES shared buffers with TMA (ready barriers per buffer and operand; empty barriers every
+# consumer releases, K's after its S = Q K^T, V's after its P V and Q's after the tile's last S).
+# The consumer warpgroups (the default partition and workers) each run the online softmax of their
 # 64 rows on wgmma accumulators, independently, so the warp scheduler runs one's softmax under the
-# other's matrix products. Within a warpgroup S_j = Q K_j^T is issued asynchronously before the
-# P V product of block j - 1, and the softmax of block j runs while that product is in flight
-# (FA3's intra-warpgroup overlap). Masks and block ranges are the Triton kernel's helpers.
-# Measured and left out (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to
-# alternate on the tensor cores (FA3's ping-pong) with a pair of mbarriers was slower here.
+# others' matrix products. With two consumers (d 128 and 256) S_j = Q K_j^T is issued
+# asynchronously before the P V product of block j - 1 of the same warpgroup, and the softmax of
+# block j runs while that product is in flight (FA3's intra-warpgroup overlap). At d=64 three
+# consumers of 160 registers each (FlashAttention-4's sm_90 tile, 192 x 128) take S, the softmax
+# and P V in turn: the overlap's S_j and P_{j-1} held together spilled 416 bytes there, and a third
+# warpgroup gives each scheduler three softmax chains to interleave instead of two: forward
+# TFLOP/s at d=64 2k / 4k / 8k / 16k 424 / 438 / 443 / 437 -> 449 / 470 / 497 / 489, causal 8k /
+# 16k 425 / 434 -> 443 / 452 (ab_three_consumers.txt, medians of three alternating rounds).
+# Masks and block ranges are the Triton kernel's helpers. Measured and left out
+# (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to alternate on the tensor cores
+# (FA3's ping-pong) with a pair of mbarriers was slower here.
 # ----------------------------------------------------------------------------------------------
 
 # 12 warps (the two consumer warpgroups and the loader's) share the SM's 64K registers: 168 each
@@ -286,6 +292,10 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 HOPPER_MAXNREG = 168
 HOPPER_CONSUMER_REGS = gl.constexpr(240)
 HOPPER_LOADER_REGS = gl.constexpr(24)
+# three consumer warpgroups (configs.hopper_forward_consumers): 16 warps, 128 registers each at
+# launch, then 160 for each consumer and 24 for the loader's warpgroup (64512 of 65536)
+HOPPER_THREE_MAXNREG = 128
+HOPPER_THREE_CONSUMER_REGS = gl.constexpr(160)
 
 
 @gluon.jit
@@ -342,6 +352,7 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
     and the program must not end with copies into its shared memory in flight."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
+    CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
     HALF_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     it = 0
@@ -350,15 +361,15 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
     tile = gl.program_id(0)
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks = _fwd_sm90_tile(
-            tile, n_m, nheads, group, sq, sk, left, right, 2 * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            tile, n_m, nheads, group, sq, sk, left, right, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         if n_blocks > 0:
             # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
             qs = q_loads % Q_STAGES
             mbarrier.wait(q_empty.index(qs), ((q_loads // Q_STAGES) & 1) ^ 1)
-            mbarrier.expect(q_bar.index(qs), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar.index(qs), q_bufs.index(2 * qs))
-            tma.async_copy_global_to_shared(q_desc, [b, start_m + HALF_M, h, 0], q_bar.index(qs),
-                                            q_bufs.index(2 * qs + 1))
+            mbarrier.expect(q_bar.index(qs), CONSUMERS * q_desc.block_type.nbytes)
+            for c in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(q_desc, [b, start_m + c * HALF_M, h, 0], q_bar.index(qs),
+                                                q_bufs.index(CONSUMERS * qs + c))
             q_loads += 1
         for j in range(n_blocks):
             stage = it % NUM_STAGES
@@ -412,6 +423,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
     is computed."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
+    CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
     HALF_M: gl.constexpr = q_bufs.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[2]
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -431,7 +443,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
     tile = gl.program_id(0)
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks = _fwd_sm90_tile(
-            tile, n_m, nheads, group, sq, sk, left, right, 2 * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            tile, n_m, nheads, group, sq, sk, left, right, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         row0 = start_m + half * HALF_M
         acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -439,47 +451,68 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
         if n_blocks > 0:
             qs = q_loads % Q_STAGES
             mbarrier.wait(q_bar.index(qs), (q_loads // Q_STAGES) & 1)
-            q = q_bufs.index(2 * qs + half).reshape([HALF_M, BLOCK_D])
-            stage = it % NUM_STAGES
-            mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
-            k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
-            s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-            if HAS_DROPOUT:
-                words = dropout_words_sm90(seed, b * nheads + h, row0, lo, HALF_M, BLOCK_N, False)
-            p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
-                                                  left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
-            if HAS_DROPOUT:  # l sums P before dropout; only P V sees the mask
-                p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            for j in range(1, n_blocks):
-                prev = (it + j - 1) % NUM_STAGES
-                stage = (it + j) % NUM_STAGES
-                mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            q = q_bufs.index(CONSUMERS * qs + half).reshape([HALF_M, BLOCK_D])
+            if CONSUMERS == 2:
+                stage = it % NUM_STAGES
+                mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
                 k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
-                o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                 if HAS_DROPOUT:
-                    words = dropout_words_sm90(seed, b * nheads + h, row0, lo + j * BLOCK_N, HALF_M, BLOCK_N, False)
-                p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                      sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 1)
-                if HAS_DROPOUT:
+                    words = dropout_words_sm90(seed, b * nheads + h, row0, lo, HALF_M, BLOCK_N, False)
+                p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
+                                                      left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
+                if HAS_DROPOUT:  # l sums P before dropout; only P V sees the mask
                     p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
                 mbarrier.arrive(k_empty.index(stage), count=1)
-                # P_{j-1} is a register operand of the product in flight: it stays untouched until the
-                # product is done
+                for j in range(1, n_blocks):
+                    prev = (it + j - 1) % NUM_STAGES
+                    stage = (it + j) % NUM_STAGES
+                    mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+                    s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                    v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
+                    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                    if HAS_DROPOUT:
+                        words = dropout_words_sm90(seed, b * nheads + h, row0, lo + j * BLOCK_N, HALF_M, BLOCK_N, False)
+                    p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
+                                                          sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 1)
+                    if HAS_DROPOUT:
+                        p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    # P_{j-1} is a register operand of the product in flight: it stays untouched until the
+                    # product is done
+                    acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                mbarrier.arrive(q_empty.index(qs), count=1)  # every S of the tile is done: its Q buffer is free
+                last = (it + n_blocks - 1) % NUM_STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // NUM_STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                o_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
                 acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            mbarrier.arrive(q_empty.index(qs), count=1)  # every S of the tile is done: its Q buffer is free
-            last = (it + n_blocks - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // NUM_STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            o_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            mbarrier.arrive(v_empty.index(last), count=1)
+                mbarrier.arrive(v_empty.index(last), count=1)
+            else:  # three consumers: each block's S, softmax and P V in turn (see the comment above)
+                for j in range(n_blocks):
+                    stage = (it + j) % NUM_STAGES
+                    mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
+                    k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+                    s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                    if HAS_DROPOUT:
+                        words = dropout_words_sm90(seed, b * nheads + h, row0, lo + j * BLOCK_N, HALF_M, BLOCK_N, False)
+                    p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
+                                                          sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
+                    if HAS_DROPOUT:
+                        p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    mbarrier.wait(v_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
+                    o_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+                    acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                    mbarrier.arrive(v_empty.index(stage), count=1)
+                mbarrier.arrive(q_empty.index(qs), count=1)
             it += n_blocks
             q_loads += 1
 
@@ -509,11 +542,12 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_ob, stride_om, stride_oh,
                      n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, threshold, dropout_scale,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                     CONSUMERS: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
     leaves while the next one's Q and K/V come in."""
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -527,31 +561,51 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_
     tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_STAGES):
         mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(tile_ready.index(i), count=1)
-        mbarrier.init(tile_free.index(i), count=2)
+        mbarrier.init(tile_free.index(i), count=CONSUMERS)
 
-    # the two consumers' arguments are spelled out: a tuple built by concatenation inside the jit
-    # function loses the constexpr-ness of HAS_LEFT / HAS_RIGHT
-    gl.warp_specialize([
-        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                             tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                             qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                             HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
-        (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                             tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                             qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                             HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
-        (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
-                          v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
-                          sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
-    ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
+    # the partitions and their arguments are spelled out in place: a tuple built by concatenation
+    # inside the jit function loses the constexpr-ness of HAS_LEFT / HAS_RIGHT, and one held in a
+    # variable cannot hold the partition's function
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
+                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
+                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group, sq, sk, left, right,
+                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
+            (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
+                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
+                              sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
+        ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
+                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
+                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
+            (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
+                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
+                              sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
+        ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
 def tma_ok(t) -> bool:
@@ -610,8 +664,8 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 
 def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None):
-    """Tiles of cfg.block_m rows in two halves, one per consumer warpgroup (cfg.num_warps = 4
-    each); cfg.num_stages K/V buffers; a program per SM walking tiles where
+    """Tiles of cfg.block_m rows, 64 per consumer warpgroup (configs.hopper_forward_consumers;
+    cfg.num_warps = 4 each); cfg.num_stages K/V buffers; a program per SM walking tiles where
     configs.hopper_forward_persistent says so, else a program per tile. dropout as
     attention_forward's."""
     b, sq, h, d = q.shape
@@ -621,10 +675,12 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None):
     persistent = configs.hopper_forward_persistent(d)
     grid = (min(n_tiles, configs.num_sms(q.device)) if persistent else n_tiles, )
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
-    _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // 2),
+    consumers = configs.hopper_forward_consumers(d)
+    _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
                            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng,
                            out.stride(0), out.stride(1), out.stride(2),
                            n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, threshold, dropout_scale,
                            HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
-                           HAS_DROPOUT=has_dropout, num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+                           HAS_DROPOUT=has_dropout, CONSUMERS=consumers, num_warps=cfg.num_warps,
+                           maxnreg=HOPPER_MAXNREG if consumers == 2 else HOPPER_THREE_MAXNREG)
