@@ -138,8 +138,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False):
                             "dropout_scale": "fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG if const["CONSUMERS"] == 2
-                                       else forward.HOPPER_THREE_MAXNREG))
+                          options=dict(num_warps=cfg.num_warps, maxnreg=forward.hopper_forward_maxnreg(const["CONSUMERS"])))
 
 
 def compile_hopper_backward(d: int, causal: bool, dropout: bool = False):

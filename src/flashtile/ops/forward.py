@@ -298,6 +298,11 @@ HOPPER_THREE_MAXNREG = 128
 HOPPER_THREE_CONSUMER_REGS = gl.constexpr(160)
 
 
+def hopper_forward_maxnreg(consumers: int) -> int:
+    """The Hopper forward's register cap per thread at launch, with 2 or 3 consumer warpgroups."""
+    return HOPPER_MAXNREG if consumers == 2 else HOPPER_THREE_MAXNREG
+
+
 @gluon.jit
 def _fwd_sm90_tile(tile, n_m, nheads, group, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
@@ -391,10 +396,16 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
 
 @gluon.jit
 def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, left, right,
-                     qk_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                     qk_scale, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     IN_FLIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr, HALF_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
-    domain: (p, alpha, m_new, l_new)."""
+    domain: (p, alpha, m_new, l_new). HAS_DROPOUT: the block's Philox calls (head bh) are made
+    before the wait, while S is computed; l sums P before dropout, and the returned p (P V's
+    operand) has the dropped scores zeroed."""
+    if HAS_DROPOUT:
+        words = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
     s_layout: gl.constexpr = qk.type.layout
     if (start_n < full_lo) | (start_n >= full_hi):
@@ -407,7 +418,10 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
     p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    if HAS_DROPOUT:
+        p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -435,8 +449,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
     dtype: gl.constexpr = q_bufs.dtype
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): S's layout
     diag_offset = sk - sq
-    if HAS_DROPOUT:
-        seed = dropout_seed(Rng)
+    seed = dropout_seed(Rng) if HAS_DROPOUT else 0
     it = 0
     q_loads = 0
     n = 0
@@ -457,12 +470,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                 mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
                 k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                if HAS_DROPOUT:
-                    words = dropout_words_sm90(seed, b * nheads + h, row0, lo, HALF_M, BLOCK_N, False)
                 p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
-                                                      left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
-                if HAS_DROPOUT:  # l sums P before dropout; only P V sees the mask
-                    p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
+                                                      left, right, qk_scale, seed, b * nheads + h, threshold,
+                                                      HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, HALF_M, BLOCK_N)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
                     prev = (it + j - 1) % NUM_STAGES
@@ -474,12 +484,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                     s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                     v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
                     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-                    if HAS_DROPOUT:
-                        words = dropout_words_sm90(seed, b * nheads + h, row0, lo + j * BLOCK_N, HALF_M, BLOCK_N, False)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 1)
-                    if HAS_DROPOUT:
-                        p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
+                                                          sk, diag_offset, left, right, qk_scale, seed, b * nheads + h,
+                                                          threshold, HAS_LEFT, HAS_RIGHT, 1, HAS_DROPOUT, HALF_M,
+                                                          BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     # P_{j-1} is a register operand of the product in flight: it stays untouched until the
                     # product is done
@@ -499,12 +507,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                     mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
                     k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                     s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                    if HAS_DROPOUT:
-                        words = dropout_words_sm90(seed, b * nheads + h, row0, lo + j * BLOCK_N, HALF_M, BLOCK_N, False)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk, diag_offset, left, right, qk_scale, HAS_LEFT, HAS_RIGHT, 0)
-                    if HAS_DROPOUT:
-                        p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
+                                                          sk, diag_offset, left, right, qk_scale, seed, b * nheads + h,
+                                                          threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, HALF_M,
+                                                          BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -683,4 +689,4 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None):
                            HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
                            HAS_DROPOUT=has_dropout, CONSUMERS=consumers, num_warps=cfg.num_warps,
-                           maxnreg=HOPPER_MAXNREG if consumers == 2 else HOPPER_THREE_MAXNREG)
+                           maxnreg=hopper_forward_maxnreg(consumers))
