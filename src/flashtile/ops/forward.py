@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from flashtile import _checks
@@ -282,6 +283,8 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # warpgroup gives each scheduler three softmax chains to interleave instead of two: forward
 # TFLOP/s at d=64 2k / 4k / 8k / 16k 424 / 438 / 443 / 437 -> 449 / 470 / 497 / 489, causal 8k /
 # 16k 425 / 434 -> 443 / 452 (ab_three_consumers.txt, medians of three alternating rounds).
+# Their row sums l are taken by the tensor cores (P times an [N, 8] tile of ones, beside P V), 64 FADDs a
+# row block fewer: 1k-8k +1-3%, causal level (ab_forward_rowsum_mma.txt, medians of five).
 # Masks and block ranges are the Triton kernel's helpers. Measured and left out
 # (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to alternate on the tensor cores
 # (FA3's ping-pong) with a pair of mbarriers was slower here.
@@ -397,11 +400,12 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
 @gluon.jit
 def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, left, right,
                      qk_scale, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     IN_FLIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr, HALF_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr):
+                     IN_FLIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+                     HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
-    domain: (p, alpha, m_new, l_new). HAS_DROPOUT: the block's Philox calls (head bh) are made
+    domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
+    caller rescales and adds to, and comes back as it is. HAS_DROPOUT: the block's Philox calls (head bh) are made
     before the wait, while S is computed; l sums P before dropout, and the returned p (P V's
     operand) has the dropped scores zeroed."""
     if HAS_DROPOUT:
@@ -418,23 +422,24 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
     p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
-    l_new = l_i * alpha + gl.sum(p, 1)
+    l_new = l_i if ROWSUM_MMA else l_i * alpha + gl.sum(p, 1)
     if HAS_DROPOUT:
         p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                       tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
                       qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
-                      HAS_DROPOUT: gl.constexpr):
+                      HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks. HAS_DROPOUT: as the Triton
     kernel, P V sees the keep-mask and l does not; a block's Philox calls are made while its S
-    is computed."""
+    is computed. ROWSUM_MMA (three consumers): l is an [HALF_M, 8] accumulator of P times `ones`,
+    whose 8 columns are equal, a product beside P V instead of an addition per score."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
@@ -446,6 +451,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, 8, 16])
     dtype: gl.constexpr = q_bufs.dtype
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): S's layout
     diag_offset = sk - sq
@@ -460,7 +467,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
         row0 = start_m + half * HALF_M
         acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        if ROWSUM_MMA:
+            l_i = gl.zeros([HALF_M, 8], gl.float32, l_layout)
+        else:
+            l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
         if n_blocks > 0:
             qs = q_loads % Q_STAGES
             mbarrier.wait(q_bar.index(qs), (q_loads // Q_STAGES) & 1)
@@ -472,7 +482,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                 p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
                                                       left, right, qk_scale, seed, b * nheads + h, threshold,
-                                                      HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, HALF_M, BLOCK_N)
+                                                      HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, False, HALF_M, BLOCK_N)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
                     prev = (it + j - 1) % NUM_STAGES
@@ -486,8 +496,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
                                                           sk, diag_offset, left, right, qk_scale, seed, b * nheads + h,
-                                                          threshold, HAS_LEFT, HAS_RIGHT, 1, HAS_DROPOUT, HALF_M,
-                                                          BLOCK_N)
+                                                          threshold, HAS_LEFT, HAS_RIGHT, 1, HAS_DROPOUT, False,
+                                                          HALF_M, BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     # P_{j-1} is a register operand of the product in flight: it stays untouched until the
                     # product is done
@@ -509,18 +519,27 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                     s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
                                                           sk, diag_offset, left, right, qk_scale, seed, b * nheads + h,
-                                                          threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, HALF_M,
-                                                          BLOCK_N)
+                                                          threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, ROWSUM_MMA,
+                                                          HALF_M, BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    if ROWSUM_MMA:
+                        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     mbarrier.wait(v_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
                     o_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-                    acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                    if ROWSUM_MMA:  # l += P times the columns of ones, P the register operand of both products
+                        p_l = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2))
+                        l_tok = warpgroup_mma(p_l, ones.permute((1, 0)), l_i, is_async=True)
+                        acc, l_i, p_op = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_op))
+                    else:
+                        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
                     mbarrier.arrive(v_empty.index(stage), count=1)
                 mbarrier.arrive(q_empty.index(qs), count=1)
             it += n_blocks
             q_loads += 1
+        if ROWSUM_MMA:
+            l_i = gl.max(l_i, 1)
 
         # Rows that saw no key: l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
@@ -565,6 +584,17 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # three consumers take the row sums l on the tensor cores (P times columns of ones), except with
+    # dropout, whose l sums P before the mask; with two, the added registers spill
+    ROWSUM_MMA: gl.constexpr = (not HAS_DROPOUT) and CONSUMERS == 3
+    if ROWSUM_MMA:
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+        ones = gl.allocate_shared_memory(k_desc.dtype, [8, BLOCK_N], gl.NVMMASharedLayout(128, 16),
+                                         gl.full([8, BLOCK_N], 1.0, k_desc.dtype,
+                                                 gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])))
+        fence_async_shared()  # the stores, before the tensor cores read them
+    else:
+        ones = tile_ids  # not read (a partition's argument cannot be None)
     for i in gl.static_range(Q_STAGES):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
@@ -582,32 +612,32 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_
     # variable cannot hold the partition's function
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                  tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
                                  qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                  tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
                                  qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                  tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group, sq, sk, left, right,
                                  qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
         ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                  tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
                                  qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                  tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
                                  qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT)),
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
