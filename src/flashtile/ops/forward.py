@@ -405,9 +405,9 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
-    caller rescales and adds to, and comes back as it is. HAS_DROPOUT: the block's Philox calls (head bh) are made
-    before the wait, while S is computed; l sums P before dropout, and the returned p (P V's
-    operand) has the dropped scores zeroed."""
+    caller rescales and adds to, and comes back as it is. HAS_DROPOUT: the block's Philox calls
+    (head bh) are made before the wait, while S is computed; l sums P before dropout, and the
+    returned p (P V's operand) has the dropped scores zeroed."""
     if HAS_DROPOUT:
         words = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
@@ -612,32 +612,37 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_
     # variable cannot hold the partition's function
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                 tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                 tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                 tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
+                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
+                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group,
+                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
         ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                 tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                 tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                                 qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
+                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA)),
+            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
+                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
