@@ -552,6 +552,36 @@ def test_few_queries_with_gradients_skip_the_decoding_kernels(monkeypatch):
     assert calls == ["flash_attn_func", "flash_attn_with_kvcache"]
 
 
+def test_position_ids_read_once_per_tensor(monkeypatch):
+    """A model hands one position_ids tensor to every layer of a forward. Reading it (on a GPU, a
+    synchronisation) happens once for that tensor; again after an in-place change, for another
+    tensor with equal values, and on every call for an inference tensor (no version counter). The
+    packed sequences found are the same each time."""
+    reads = []
+    real = hf._sequence_starts
+    monkeypatch.setattr(hf, "_sequence_starts", lambda *a: reads.append(1) or real(*a))
+    monkeypatch.setattr(hf, "_last_starts", [])
+    q, k = torch.randn(2, 12, 4, 16), torch.randn(2, 12, 2, 16)
+    pos = torch.stack((torch.cat((torch.arange(5), torch.arange(7))), torch.arange(12)))  # 5 + 7, and 12
+    for _ in range(4):
+        cu, cu_k, max_q, max_k = hf._packed_sequences(q, k, {"position_ids": pos})
+        assert cu.tolist() == cu_k.tolist() == [0, 5, 12, 24] and max_q == max_k == 12
+    assert len(reads) == 1
+    pos[1] = torch.cat((torch.arange(6), torch.arange(6)))  # in place: row 1 now holds 6 + 6
+    assert hf._packed_sequences(q, k, {"position_ids": pos})[0].tolist() == [0, 5, 12, 18, 24]
+    assert len(reads) == 2
+    assert hf._packed_sequences(q, k, {"position_ids": pos.clone()})[0].tolist() == [0, 5, 12, 18, 24]
+    assert len(reads) == 3
+    with torch.inference_mode():
+        frozen = pos.clone()
+    for _ in range(2):
+        assert hf._packed_sequences(q, k, {"position_ids": frozen})[0].tolist() == [0, 5, 12, 18, 24]
+    assert len(reads) == 5
+    assert hf._packed_sequences(q, k, {"position_ids": torch.arange(12)[None]}) is None  # one sequence a row
+    with pytest.raises(ValueError, match="cannot continue a cache"):  # checked on every call, cached or not
+        hf._packed_sequences(q, torch.randn(2, 20, 2, 16), {"position_ids": pos})
+
+
 def test_sinks_move_the_logits():
     """The model tests can fail: gpt-oss's eager logits without sinks (-inf) differ from those with
     them by far more than the tolerance, and flashtile follows each."""

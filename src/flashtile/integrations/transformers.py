@@ -338,15 +338,40 @@ def _packed_sequences(q, k, kwargs: dict):
     if position_ids.dim() != 2 or position_ids.shape[0] not in (1, b) or position_ids.shape[1] != sq:
         raise ValueError(f"position_ids must have shape ({b}, {sq}) or (1, {sq}) (batch, seqlen_q), got "
                          f"{tuple(position_ids.shape)}")
-    position_ids = position_ids.to(q.device).expand(b, sq)
-    starts = torch.ones((b, sq), dtype=torch.bool, device=q.device)  # where a sequence starts
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    if int(starts.sum()) == b:
+    # an inference tensor keeps no version counter: it is read every time
+    stamp = None if position_ids.is_inference() else (position_ids._version, b, q.device)
+    last = _last_starts
+    if stamp is not None and last and last[0] is position_ids and last[1] == stamp:
+        found = last[2]
+    else:
+        found = _sequence_starts(position_ids, b, sq, q.device)
+        _last_starts[:] = [position_ids, stamp, found]
+    if found is None:
         return None
     if k.shape[1] != sq:
         raise ValueError(f"position_ids restart inside a row (packed sequences), but the keys ({k.shape[1]}) are "
                          f"more than the queries ({sq}): packed sequences cannot continue a cache")
+    cu, max_len = found
+    return cu, cu, max_len, max_len
+
+
+# The last position_ids read and what _sequence_starts made of it: [tensor, (its version, batch,
+# device), result]. A model passes one position_ids tensor to every layer of a forward; reading it
+# synchronises with the GPU (its values decide the route on the host), so it is read once per
+# forward, not once per layer. The tensor is held, so the one compared by identity is never a new
+# tensor at a freed one's address; an in-place change bumps its version.
+_last_starts: list = []
+
+
+def _sequence_starts(position_ids, b: int, sq: int, device):
+    """(cu_seqlens, max_seqlen) of the sequences that position_ids (1 or b, sq) lays out in the
+    flattened (b * sq) rows, or None when each row is one sequence: a sequence starts at column 0
+    and wherever a position does not follow the one before it by 1."""
+    position_ids = position_ids.to(device).expand(b, sq)
+    starts = torch.ones((b, sq), dtype=torch.bool, device=device)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if int(starts.sum()) == b:
+        return None
     first = torch.nonzero(starts.flatten()).flatten().to(torch.int32)
     cu = torch.cat((first, first.new_full((1,), b * sq)))
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return cu, cu, max_len, max_len
+    return cu, int((cu[1:] - cu[:-1]).max())
