@@ -473,6 +473,52 @@ def test_decode_step_with_padded_cache():
     torch.testing.assert_close(out, _dense(q, k, v, allowed[:, None, :], d ** -0.5).float(), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("sq", [1, 4])
+def test_decode_step_routes_by_padding_side(sq, monkeypatch):
+    """A decoding step over a left-padded mask (each row: padding, then tokens; one row all padding;
+    the mask shorter than the keys, as a static cache's) reads the cache in place through
+    flash_attn_with_kvcache's cache_leftpad; a mask with padding anywhere else packs the keys
+    (flash_attn_varlen_func). Both against float64 attention, causal, GQA, a sliding window."""
+    calls = []
+    for fn in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        real = getattr(hf, fn)
+        monkeypatch.setattr(hf, fn, lambda *a, _fn=fn, _real=real, **kw:
+                            calls.append((_fn, kw.get("cache_leftpad"))) or _real(*a, **kw))
+    b, h, hk, sk, n, d, w = 4, 4, 2, 24, 20, 16, 6
+    q, k, v = torch.randn(b, h, sq, d), torch.randn(b, hk, sk, d), torch.randn(b, hk, sk, d)
+    left = torch.zeros(b, n, dtype=torch.bool)
+    for i, pad in enumerate((0, 3, 17, n)):  # the last row is padding only
+        left[i, pad:] = True
+    holes = left.clone()
+    holes[0, 5] = False  # a token missing inside row 0: not left padding
+    for mask, route in ((left, "flash_attn_with_kvcache"), (holes, "flash_attn_varlen_func")):
+        calls.clear()
+        out, _ = hf.attention_forward(_Attention(True), q, k, v, mask, scaling=0.3, sliding_window=w)
+        assert [fn for fn, _ in calls] == [route]
+        if route == "flash_attn_with_kvcache":
+            assert calls[0][1].tolist() == [0, 3, 17, n]
+        # query t sits at the row's slot n - sq + t; it sees the tokens at or before it, the last w
+        i, j = torch.arange(sq)[:, None] + n - sq, torch.arange(sk)[None, :]
+        allowed = (j <= i) & (i - j < w) & torch.nn.functional.pad(mask, (0, sk - n))[:, None, :]
+        allowed &= torch.nn.functional.pad(mask, (0, sk - n))[:, n - sq:n, None]  # padding queries: no key
+        want = _dense(q, k, v, allowed, 0.3).nan_to_num(0.0)  # the row of padding only: zeros
+        torch.testing.assert_close(out, want.float(), rtol=RTOL, atol=ATOL)
+
+
+def test_left_padding_read_once_per_mask():
+    """The layers of a decoding step share one mask tensor: it is read once (the result is kept),
+    and again after an in-place change; a mask that is not left padding gives None."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    first = hf._left_padding(mask, 2, 7)
+    assert first[0] == 5 and first[1].tolist() == [2, 0] and first[1].dtype == torch.int32
+    assert hf._left_padding(mask, 2, 7) is first
+    mask[1, 0] = False
+    assert hf._left_padding(mask, 2, 7)[1].tolist() == [2, 1]
+    mask[1, 3] = False  # a hole
+    assert hf._left_padding(mask, 2, 7) is None
+    assert hf._left_padding(mask, 3, 7) is None and hf._left_padding(mask, 2, 4) is None  # shapes that do not fit
+
+
 # --------------------------------------------------------------------------------------------
 # attention sinks (gpt-oss: s_aux)
 # --------------------------------------------------------------------------------------------
@@ -500,7 +546,7 @@ def _sink_case(route: str):
 
 
 ROUTES = {"dense": "flash_attn_func", "padded": "flash_attn_varlen_func", "packed": "flash_attn_varlen_func",
-          "decode": "flash_attn_with_kvcache", "decode-padded": "flash_attn_varlen_func"}
+          "decode": "flash_attn_with_kvcache", "decode-padded": "flash_attn_with_kvcache"}
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
@@ -631,6 +677,24 @@ def test_training_step_triton():
     """gpt-oss's training step on the kernels: the sinks' gradient comes from the backward kernels."""
     with flashtile.use_backend("triton"):
         _check_training_step("gpt_oss", "left")
+
+
+@pytest.mark.interpret
+def test_generate_left_padded_triton(monkeypatch):
+    """Llama (GQA) generating from a left-padded batch on the kernels: the decoding steps run the
+    split-KV kernels with cache_leftpad, and the tokens and logits equal eager's."""
+    calls = []
+    real = hf.flash_attn_with_kvcache
+    monkeypatch.setattr(hf, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw.get("cache_leftpad"))
+                        or real(*a, **kw))
+    model = _model("llama")
+    ids, mask = _padded_batch("left", lengths=(19, 12))
+    with flashtile.use_backend("triton"):
+        got, got_logits = _generate(model, "flashtile", input_ids=ids, attention_mask=mask)
+    want, want_logits = _generate(model, "eager", input_ids=ids, attention_mask=mask)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=RTOL, atol=ATOL)
+    assert calls and all(c is not None and c.tolist() == [0, 7] for c in calls)
 
 
 @pytest.mark.interpret

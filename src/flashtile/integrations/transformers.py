@@ -14,6 +14,9 @@ d) and key, value (batch, kv_heads, seqlen_k, d), the keys after the cache updat
   packed with flashtile.padding and run by flash_attn_varlen_func. Causal queries are the last
   seqlen_q positions of that mask, so they are packed by it too; a decoding step (seqlen_q = 1)
   and non-causal attention run every query row (cross-attention's mask covers only the keys).
+  A decoding step (a few queries over more keys, as below) whose mask is left padding in every
+  row, as generate makes of prompts of different lengths, runs flash_attn_with_kvcache with
+  cache_leftpad instead: the cache is read in place, not packed (a copy of every key) per layer.
 - Packed sequences, rows that hold several sequences end to end (DataCollatorWithFlattening): the
   keyword arguments cu_seq_lens_q and cu_seq_lens_k, or position_ids that restart. A sequence
   starts wherever a position does not follow the one before it by 1, the rule transformers' eager
@@ -83,6 +86,7 @@ import functools
 import torch
 from packaging.version import Version
 
+from flashtile._checks import set_host_copy
 from flashtile.api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flashtile.padding import pad_input, unpad_input
 
@@ -239,7 +243,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sink = kwargs.get("s_aux")
     if sink is not None:  # absent otherwise: calls without sinks are the same as before them
         options["learnable_sink"] = sink
-    if attention_mask is not None:
+    left = None
+    if attention_mask is not None and _decoding_step(q, k, v, dropout_p, sink):
+        left = _left_padding(attention_mask, q.shape[0], k.shape[1])
+    if left is not None:  # a decoding step over a left-padded cache: no key is copied
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=left[0], cache_leftpad=left[1], **options)
+    elif attention_mask is not None:
         out = _padded(q, k, v, attention_mask, dict(options, dropout_p=dropout_p))
     else:
         packed = _packed_sequences(q, k, kwargs)
@@ -296,6 +305,39 @@ def _window_size(sliding_window, causal: bool) -> tuple[int, int]:
     if w < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     return (w - 1, 0 if causal else w - 1)
+
+
+def _left_padding(mask: torch.Tensor, b: int, sk: int):
+    """(n, cache_leftpad) when every row of the padding mask (b, n <= sk) is padding and then tokens
+    (left padding, what generate makes of prompts of different lengths): the keys of row i are
+    cache slots cache_leftpad[i] .. n - 1, so flash_attn_with_kvcache reads them in place (int32,
+    on the mask's device, its values on the host). None for any other mask, or when the mask
+    cannot be read now (CUDA-graph capture, torch.compile tracing).
+
+    Reading the mask synchronises with the GPU: done once per mask tensor and version, as
+    _packed_sequences reads position_ids (a model hands one mask to every layer of a forward)."""
+    if mask.dim() != 2 or mask.shape[0] != b or not 0 < mask.shape[1] <= sk or \
+            torch.compiler.is_compiling() or mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    stamp = None if mask.is_inference() else (mask._version, sk)
+    last = _last_left
+    if stamp is not None and last and last[0] is mask and last[1] == stamp:
+        return last[2]
+    m = mask.to(torch.int8)
+    ordered = (m[:, 1:] >= m[:, :-1]).all(1) if m.shape[1] > 1 else torch.ones(b, dtype=torch.bool, device=m.device)
+    host = torch.stack((ordered.to(torch.int32), (m == 0).sum(1, dtype=torch.int32))).cpu()
+    found = None
+    if bool(host[0].all()):
+        pads = host[1].contiguous()
+        leftpad = pads.to(mask.device)
+        set_host_copy(leftpad, pads)  # the plan's value checks read these, not the device
+        found = (mask.shape[1], leftpad)
+    _last_left[:] = [mask, stamp, found]
+    return found
+
+
+# The last mask read by _left_padding: [tensor, (its version, seqlen_k), result], as _last_starts.
+_last_left: list = []
 
 
 def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
