@@ -505,6 +505,28 @@ def test_decode_step_routes_by_padding_side(sq, monkeypatch):
         torch.testing.assert_close(out, want.float(), rtol=RTOL, atol=ATOL)
 
 
+def test_padded_batch_mask_read_once(monkeypatch):
+    """The layers of a forward share one padding mask: the tokens it marks are found once (a GPU
+    synchronisation), again after an in-place change; every layer's output equals float64 attention."""
+    reads = []
+    real = hf.packing
+    monkeypatch.setattr(hf, "packing", lambda *a, **kw: reads.append(1) or real(*a, **kw))
+    monkeypatch.setattr(hf, "_last_packing", {})
+    b, h, hk, s, d = 2, 4, 2, 9, 16
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[0, :3] = False
+    i = torch.arange(s)
+    for _ in range(2):  # the mask as made, then changed in place
+        for _layer in range(3):
+            out, _ = hf.attention_forward(_Attention(True), q, k, v, mask, scaling=0.3)
+            allowed = (i[None, :, None] >= i[None, None, :]) & mask[:, None, :] & mask[:, :, None]
+            torch.testing.assert_close(out, _dense(q, k, v, allowed, 0.3).nan_to_num(0.0).float(), rtol=RTOL,
+                                       atol=ATOL)
+        mask[1, :2] = False  # in place: the next round reads it again
+    assert len(reads) == 2
+
+
 def test_left_padding_read_once_per_mask():
     """The layers of a decoding step share one mask tensor: it is read once (the result is kept),
     and again after an in-place change; a mask that is not left padding gives None."""

@@ -41,15 +41,25 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
         seqused: (batch,) int32, the attended tokens of each sequence (= its length without
             unused_mask).
     """
-    batch, seqlen = hidden_states.shape[:2]
-    mask = _check_mask("attention_mask", attention_mask, (batch, seqlen))
-    keep = mask if unused_mask is None else mask | _check_mask("unused_mask", unused_mask, (batch, seqlen))
+    indices, cu_seqlens, max_seqlen, seqused = packing(attention_mask, unused_mask, hidden_states.shape[:2])
+    return hidden_states.flatten(0, 1).index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
+
+
+def packing(attention_mask: torch.Tensor, unused_mask=None, shape=None):
+    """unpad_input's (indices, cu_seqlens, max_seqlen, seqused) for a mask alone, so that a caller
+    packing several tensors by one mask (the layers of a model) computes them once: max_seqlen is a
+    host read of the lengths. shape: the (batch, seqlen) the mask must have (default its own)."""
+    if shape is None and isinstance(attention_mask, torch.Tensor):
+        shape = attention_mask.shape
+    mask = _check_mask("attention_mask", attention_mask, shape)
+    shape = tuple(shape)
+    keep = mask if unused_mask is None else mask | _check_mask("unused_mask", unused_mask, shape)
     seqused = mask.sum(-1, dtype=torch.int32)
     lengths = keep.sum(-1, dtype=torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
-    max_seqlen = int(lengths.max()) if batch else 0
+    max_seqlen = int(lengths.max()) if shape[0] else 0
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return hidden_states.flatten(0, 1).index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
+    return indices, cu_seqlens, max_seqlen, seqused
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:

@@ -88,7 +88,7 @@ from packaging.version import Version
 
 from flashtile._checks import set_host_copy
 from flashtile.api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flashtile.padding import pad_input, unpad_input
+from flashtile.padding import pad_input, packing
 
 NAME = "flashtile"
 # The first release with masking_utils.AttentionMaskInterface, which lets an attention
@@ -349,15 +349,35 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
         raise ValueError(f"attention_mask must have shape (batch, n) with batch = {b} and n <= seqlen_k = {sk} "
                          f"(the keys it marks), got {tuple(mask.shape)}")
     n = mask.shape[1]
-    k_packed, indices_k, cu_k, max_k, _ = unpad_input(k[:, :n], mask)  # (total_k, hk, d)
-    v_packed = v[:, :n].reshape(b * n, *v.shape[2:]).index_select(0, indices_k)
+    indices_k, cu_k, max_k = _packing(mask, n)
+    k_packed, v_packed = (t[:, :n].reshape(b * n, *t.shape[2:]).index_select(0, indices_k) for t in (k, v))
     if options["causal"] and sq > 1:  # the queries are the last sq tokens of the mask
-        q_packed, indices_q, cu_q, max_q, _ = unpad_input(q, mask[:, -sq:])
+        indices_q, cu_q, max_q = _packing(mask, sq)
+        q_packed = q.reshape(b * sq, h, d).index_select(0, indices_q)
         out = flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k, **options)
         return pad_input(out, indices_q, b, sq)
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)  # every query row
     out = flash_attn_varlen_func(q.reshape(b * sq, h, d), k_packed, v_packed, cu_q, cu_k, sq, max_k, **options)
     return out.view(b, sq, h, d)
+
+
+def _packing(mask: torch.Tensor, cols: int):
+    """flashtile.padding.packing's (indices, cu_seqlens, max_seqlen) of mask[:, -cols:], computed
+    once per mask tensor, version and cols: finding the tokens (and max_seqlen, a host read)
+    synchronises with the GPU, and a model hands one mask to every layer of a forward."""
+    stamp = None if mask.is_inference() else mask._version
+    last = _last_packing.get(cols)
+    if stamp is not None and last is not None and last[0] is mask and last[1] == stamp:
+        return last[2]
+    found = packing(mask[:, mask.shape[1] - cols:])[:3]
+    if len(_last_packing) > 4:  # cols: the keys' n and the queries' sq of the models in use
+        _last_packing.clear()
+    _last_packing[cols] = (mask, stamp, found)
+    return found
+
+
+# {cols: (mask, its version, result)} of _packing, as _last_starts.
+_last_packing: dict = {}
 
 
 def _packed_sequences(q, k, kwargs: dict):
