@@ -13,19 +13,16 @@ of one training step (forward + backward, 2 x 2048 tokens) and of an 11-token ge
 flashtile, grouped by where they happen.
 """
 
-import collections
 import contextlib
 import cProfile
 import pstats
 import sys
 import time
-import traceback
-import warnings
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtile.bench import e2e
+from flashtile.bench import e2e, harness
 
 DEVICE = torch.device("cuda")
 spent: dict = {}
@@ -91,23 +88,10 @@ def host_rounds(context: int, rounds: int) -> None:
 
 def syncs(context: int) -> None:
     model = e2e.build_hf(e2e.LLAMA_1B, "flashtile", DEVICE, torch.bfloat16, context + 300)
-    seen = collections.Counter()
-
-    def note(message, category, filename, lineno, file=None, line=None):
-        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
-        seen[" <- ".join(f"{f.filename.split('/')[-1]}:{f.name}" for f in stack[-3:][::-1])] += 1
 
     def count(label, fn):
         fn()
-        torch.cuda.synchronize()
-        seen.clear()
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = note
-            torch.cuda.set_sync_debug_mode(1)
-            fn()
-            torch.cuda.set_sync_debug_mode(0)
-        calls = {k: v for k, v in seen.items() if "set_sync_debug_mode" not in k}
+        calls = harness.synchronisations(fn)
         print(f"{label}: {sum(calls.values())} synchronisations")
         for where, n in sorted(calls.items(), key=lambda kv: -kv[1])[:6]:
             print(f"  {n:4d}  {where}")

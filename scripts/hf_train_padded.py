@@ -10,14 +10,11 @@ of real tokens, and the synchronisations of one more step (torch.cuda.set_sync_d
 grouped by where they happen. TAG labels the line (the tree, when trees alternate).
 """
 
-import collections
 import sys
-import traceback
-import warnings
 
 import torch
 
-from flashtile.bench import e2e
+from flashtile.bench import e2e, harness
 
 
 def main() -> None:
@@ -39,20 +36,7 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
 
     ms = e2e.median_ms(step, device, 3, 8)
-    seen = collections.Counter()
-
-    def note(message, category, filename, lineno, file=None, line=None):
-        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
-        seen[" <- ".join(f"{f.filename.split('/')[-1]}:{f.name}" for f in stack[-3:][::-1])] += 1
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = note
-        torch.cuda.set_sync_debug_mode(1)
-        step()
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = {k: v for k, v in seen.items() if "set_sync_debug_mode" not in k}
+    syncs = harness.synchronisations(step)
     print(f"{tag} batch {batch} x {seqlen} left-padded: {ms:7.1f} ms a step, {int(mask.sum()) / ms * 1e3:8.0f} tok/s "
           f"of real tokens; {sum(syncs.values())} synchronisations a step", flush=True)
     for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:4]:

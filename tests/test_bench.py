@@ -297,3 +297,36 @@ def test_profile_host_runs_every_row_on_the_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     text = out.read_text()
     assert "us/call" in text and "failed" not in text, text
+
+
+def test_synchronisations_counts_where_they_happen(monkeypatch):
+    """harness.synchronisations counts the sync-debug-mode warnings fn() raises by the caller that
+    raised them, with the debug mode switched on around fn only (and off again if fn raises).
+    torch's CUDA calls are stood in for on the CPU."""
+    import warnings
+
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def reads_the_device():
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    def step():
+        for _ in range(3):
+            reads_the_device()
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    found = harness.synchronisations(step)
+    assert modes == [1, 0]
+    assert sorted(found.values()) == [1, 3] and all(where.startswith("test_bench.py:") for where in found)
+    assert any(where.startswith("test_bench.py:reads_the_device <- test_bench.py:step") for where in found)
+
+    def fails():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        harness.synchronisations(fails)
+    assert modes == [1, 0, 1, 0]

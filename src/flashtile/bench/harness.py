@@ -64,6 +64,32 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def synchronisations(fn) -> dict:
+    """{where: count} of the device synchronisations fn() makes (torch.cuda.set_sync_debug_mode):
+    "file:function <- caller <- caller" of the line that asked for each. Call it once fn's first
+    run is behind it (compilation and first-use caches synchronise too)."""
+    import collections
+    import traceback
+    import warnings
+
+    seen = collections.Counter()
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        seen[" <- ".join(f"{f.filename.split('/')[-1]}:{f.name}" for f in stack[-3:][::-1])] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return {where: n for where, n in seen.items() if "set_sync_debug_mode" not in where}
+
+
 def capture(fn, warmup: int = 1):
     """(graph, what fn() returned while captured): fn() first runs warmup times on a side stream,
     so compilation, launch caches and the allocator's first requests stay out of the capture."""
