@@ -511,7 +511,6 @@ def test_padded_batch_mask_read_once(monkeypatch):
     reads = []
     real = hf.packing
     monkeypatch.setattr(hf, "packing", lambda *a, **kw: reads.append(1) or real(*a, **kw))
-    monkeypatch.setattr(hf, "_last_packing", {})
     b, h, hk, s, d = 2, 4, 2, 9, 16
     q, k, v = torch.randn(b, h, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
     mask = torch.ones(b, s, dtype=torch.bool)
@@ -628,7 +627,6 @@ def test_position_ids_read_once_per_tensor(monkeypatch):
     reads = []
     real = hf._sequence_starts
     monkeypatch.setattr(hf, "_sequence_starts", lambda *a: reads.append(1) or real(*a))
-    monkeypatch.setattr(hf, "_last_starts", [])
     q, k = torch.randn(2, 12, 4, 16), torch.randn(2, 12, 2, 16)
     pos = torch.stack((torch.cat((torch.arange(5), torch.arange(7))), torch.arange(12)))  # 5 + 7, and 12
     for _ in range(4):

@@ -218,7 +218,7 @@ class Varlen(NamedTuple):
 # Values of index tensors (cu_seqlens, seqused_k, block_table) on the host
 # --------------------------------------------------------------------------------------------
 
-_host_cache: dict = {}  # id(tensor) -> (weakref to it, its version, its values)
+_host_cache: dict = {}  # (id(tensor), what) -> (weakref to it, its version, the value): per_version
 
 
 def host_values(t: torch.Tensor) -> Optional[list]:
@@ -244,19 +244,29 @@ def host_copy(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def cached_copy(t: torch.Tensor) -> torch.Tensor:
-    """t.cpu(), copied once per tensor and version. The cache holds a weak reference and the
-    tensor's version counter, so an in-place update (or a new tensor) is read again. Writes that
-    bypass the version counter (a custom kernel writing its memory, t.data) are not seen: pass a
-    new tensor then. Inference-mode tensors have no version counter and are read every time."""
+    """t.cpu(), copied once per tensor and version (per_version), so an in-place update (or a new
+    tensor) is read again. Writes that bypass the version counter (a custom kernel writing its
+    memory, t.data) are not seen: pass a new tensor then. Inference-mode tensors have no version
+    counter and are read every time."""
     if t.is_inference():
         return t.cpu()
-    key = id(t)
+    return per_version(t, "host", lambda: t.cpu() if t.device.type != "cpu" else t.clone())
+
+
+def per_version(t: torch.Tensor, what, compute):
+    """compute(), kept for tensor t's current version under `what` (a hashable naming what was
+    derived from t): whatever needs t's values on the host (a synchronisation) is computed once
+    however many callers ask (cached_copy; the transformers integration's masks and positions).
+    A weak reference to t and its version counter key it, so an in-place update, or a new tensor
+    at a freed one's address, computes again. Inference tensors have no version counter: callers
+    compute for them every time."""
+    key = (id(t), what)
     hit = _host_cache.get(key)
     if hit is not None and hit[0]() is t and hit[1] == t._version:
         return hit[2]
-    copy = t.cpu() if t.device.type != "cpu" else t.clone()
-    _host_cache[key] = (weakref.ref(t, lambda _, key=key: _host_cache.pop(key, None)), t._version, copy)
-    return copy
+    value = compute()
+    _host_cache[key] = (weakref.ref(t, lambda _, key=key: _host_cache.pop(key, None)), t._version, value)
+    return value
 
 
 def set_host_copy(t: torch.Tensor, host: torch.Tensor) -> None:
@@ -265,7 +275,7 @@ def set_host_copy(t: torch.Tensor, host: torch.Tensor) -> None:
     (the KVCache helpers, DecodePlan). host must not change afterwards."""
     if t.device.type == "cpu" or t.is_inference():
         return
-    key = id(t)
+    key = (id(t), "host")
     _host_cache[key] = (weakref.ref(t, lambda _, key=key: _host_cache.pop(key, None)), t._version, host)
 
 

@@ -86,7 +86,7 @@ import functools
 import torch
 from packaging.version import Version
 
-from flashtile._checks import set_host_copy
+from flashtile._checks import per_version, upload
 from flashtile.api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flashtile.padding import pad_input, packing
 
@@ -314,30 +314,24 @@ def _left_padding(mask: torch.Tensor, b: int, sk: int):
     on the mask's device, its values on the host). None for any other mask, or when the mask
     cannot be read now (CUDA-graph capture, torch.compile tracing).
 
-    Reading the mask synchronises with the GPU: done once per mask tensor and version, as
-    _packed_sequences reads position_ids (a model hands one mask to every layer of a forward)."""
+    Reading the mask synchronises with the GPU: done once per mask tensor and version (_once)."""
     if mask.dim() != 2 or mask.shape[0] != b or not 0 < mask.shape[1] <= sk or \
             torch.compiler.is_compiling() or mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    stamp = None if mask.is_inference() else (mask._version, sk)
-    last = _last_left
-    if stamp is not None and last and last[0] is mask and last[1] == stamp:
-        return last[2]
+    return _once(mask, "left padding", lambda: _read_left_padding(mask))
+
+
+def _read_left_padding(mask: torch.Tensor):
+    """_left_padding's reading of the mask: one device-to-host copy of a (2, b) summary."""
     m = mask.to(torch.int8)
-    ordered = (m[:, 1:] >= m[:, :-1]).all(1) if m.shape[1] > 1 else torch.ones(b, dtype=torch.bool, device=m.device)
+    ordered = (m[:, 1:] >= m[:, :-1]).all(1) if m.shape[1] > 1 else torch.ones(m.shape[0], dtype=torch.bool,
+                                                                                device=m.device)
     host = torch.stack((ordered.to(torch.int32), (m == 0).sum(1, dtype=torch.int32))).cpu()
-    found = None
-    if bool(host[0].all()):
-        pads = host[1].contiguous()
-        leftpad = pads.to(mask.device)
-        set_host_copy(leftpad, pads)  # the plan's value checks read these, not the device
-        found = (mask.shape[1], leftpad)
-    _last_left[:] = [mask, stamp, found]
-    return found
-
-
-# The last mask read by _left_padding: [tensor, (its version, seqlen_k), result], as _last_starts.
-_last_left: list = []
+    if not bool(host[0].all()):
+        return None
+    leftpad = torch.empty(mask.shape[0], dtype=torch.int32, device=mask.device)
+    upload(host[1].clone(), leftpad)  # queued, not waited for; the plan's checks read the host copy
+    return mask.shape[1], leftpad
 
 
 def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
@@ -365,19 +359,7 @@ def _packing(mask: torch.Tensor, cols: int):
     """flashtile.padding.packing's (indices, cu_seqlens, max_seqlen) of mask[:, -cols:], computed
     once per mask tensor, version and cols: finding the tokens (and max_seqlen, a host read)
     synchronises with the GPU, and a model hands one mask to every layer of a forward."""
-    stamp = None if mask.is_inference() else mask._version
-    last = _last_packing.get(cols)
-    if stamp is not None and last is not None and last[0] is mask and last[1] == stamp:
-        return last[2]
-    found = packing(mask[:, mask.shape[1] - cols:])[:3]
-    if len(_last_packing) > 4:  # cols: the keys' n and the queries' sq of the models in use
-        _last_packing.clear()
-    _last_packing[cols] = (mask, stamp, found)
-    return found
-
-
-# {cols: (mask, its version, result)} of _packing, as _last_starts.
-_last_packing: dict = {}
+    return _once(mask, ("packing", cols), lambda: packing(mask[:, mask.shape[1] - cols:])[:3])
 
 
 def _packed_sequences(q, k, kwargs: dict):
@@ -400,14 +382,8 @@ def _packed_sequences(q, k, kwargs: dict):
     if position_ids.dim() != 2 or position_ids.shape[0] not in (1, b) or position_ids.shape[1] != sq:
         raise ValueError(f"position_ids must have shape ({b}, {sq}) or (1, {sq}) (batch, seqlen_q), got "
                          f"{tuple(position_ids.shape)}")
-    # an inference tensor keeps no version counter: it is read every time
-    stamp = None if position_ids.is_inference() else (position_ids._version, b, q.device)
-    last = _last_starts
-    if stamp is not None and last and last[0] is position_ids and last[1] == stamp:
-        found = last[2]
-    else:
-        found = _sequence_starts(position_ids, b, sq, q.device)
-        _last_starts[:] = [position_ids, stamp, found]
+    found = _once(position_ids, ("sequence starts", b, q.device),
+                  lambda: _sequence_starts(position_ids, b, sq, q.device))
     if found is None:
         return None
     if k.shape[1] != sq:
@@ -417,12 +393,12 @@ def _packed_sequences(q, k, kwargs: dict):
     return cu, cu, max_len, max_len
 
 
-# The last position_ids read and what _sequence_starts made of it: [tensor, (its version, batch,
-# device), result]. A model passes one position_ids tensor to every layer of a forward; reading it
-# synchronises with the GPU (its values decide the route on the host), so it is read once per
-# forward, not once per layer. The tensor is held, so the one compared by identity is never a new
-# tensor at a freed one's address; an in-place change bumps its version.
-_last_starts: list = []
+def _once(t: torch.Tensor, what, compute):
+    """compute() once per tensor t, version and `what` (_checks.per_version; every time for an
+    inference tensor, which keeps no version counter). A model hands one mask and one position_ids
+    tensor to every layer of a forward, and what the integration reads from them on the host (a
+    GPU synchronisation each) is read once per forward, not once per layer."""
+    return compute() if t.is_inference() else per_version(t, what, compute)
 
 
 def _sequence_starts(position_ids, b: int, sq: int, device):
