@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU entry point: cuda tests and benchmarks, results under OUTDIR.
 #   usage: bash scripts/gpu_check.sh OUTDIR [tests|bench|all] [extra prefill bench args...]
-# Runs from the repository root with PYTHONPATH=src (no install needed). The cuda tests run in thirteen
+# Runs from the repository root with PYTHONPATH=src (no install needed). The cuda tests run in fourteen
 # pytest processes at once so that Triton compiles in parallel (the GPU is shared; these are
 # correctness tests, nothing is timed while they run).
 #
@@ -32,7 +32,7 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
   hopper="tests/test_hopper_cuda.py"
   names=("grid d32-59" "grid d64-96" "grid d111-160" "grid d192-256" "prefill other" "decode/kvcache"
          "varlen grid d32-64" "varlen grid d96-256" "varlen other, dropout" "sink grid" "sink other" "hopper forward"
-         "hopper backward")
+         "hopper backward" "hopper varlen")
   cmds=("-k 'test_grid and (d32 or d40 or d59)' $prefill"
         "-k 'test_grid and (d64 or d80 or d96)' $prefill"
         "-k 'test_grid and (d111 or d128 or d160)' $prefill"
@@ -44,8 +44,9 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
         "-k 'not test_varlen_grid' $varlen"
         "-k test_prefill_grid $sink"
         "-k 'not test_prefill_grid' $sink"
-        "-k 'not backward_' $hopper"
-        "-k backward_ $hopper")
+        "-k 'not backward_ and not varlen' $hopper"
+        "-k 'backward_ and not varlen' $hopper"
+        "-k varlen $hopper")
   pids=()
   for i in "${!cmds[@]}"; do
     eval "timeout -s INT -k 30 $budget python -m pytest -q -m cuda -p no:cacheprovider ${cmds[$i]}" \

@@ -60,17 +60,45 @@ def test_refuses_what_tma_cannot_read():
                                         None, None)
 
 
-@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "varlen", "sink"])
+def packed(paged: bool = False):
+    """A checked packed batch of two sequences (q, k, v, varlen), k/v in 16-token pages if paged."""
+    from flashtile import _checks
+
+    q, k, v = (torch.randn(288, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 144, 288], dtype=torch.int32)
+    if paged:
+        k, v = (t.view(18, 16, 4, 128) for t in (k, v))
+        table = torch.arange(18, dtype=torch.int32).view(2, 9)
+        return q, k, v, _checks.check_varlen(q, k, v, cu, cu, 144, 144, None, table)
+    return q, k, v, _checks.check_varlen(q, k, v, cu, cu, 144, 144, None, None)
+
+
+@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "paged varlen", "sink"])
 def test_refuses_score_modifiers(modifier):
-    """The score modifiers it lacks, and a negative scale: its row max is taken on the raw
-    products and scaled after, which a negative scale would turn into the row min. (Dropout it
-    takes: test_hopper_cuda.py's test_dropout.)"""
+    """The score modifiers it lacks, a page table (packed batches without one it takes), and a
+    negative scale: its row max is taken on the raw products and scaled after, which a negative
+    scale would turn into the row min. (Dropout it takes: test_hopper_cuda.py's test_dropout.)"""
     q, k, v = qkv()
     args = dict(qk_scale=1.0, softcap=0.0, alibi_slopes=None, varlen=None, sink=None)
+    if modifier == "paged varlen":
+        q, k, v, varlen = packed(paged=True)
+        args["varlen"] = varlen
     args.update({"negative scale": dict(qk_scale=-0.1), "softcap": dict(softcap=30.0),
-                 "alibi": dict(alibi_slopes=torch.rand(4)),
-                 "varlen": dict(varlen=object()), "sink": dict(sink=torch.zeros(4))}[modifier])
+                 "alibi": dict(alibi_slopes=torch.rand(4)), "paged varlen": {},
+                 "sink": dict(sink=torch.zeros(4))}[modifier])
     assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
+
+
+def test_supports_packed_batches():
+    """Packed (varlen) batches run the Hopper kernels, forward and backward: the copy engine reads
+    them as one sequence of all the rows and the kernels find each sequence (test_hopper_cuda.py's
+    varlen tests on the H100)."""
+    from flashtile.ops import backward
+
+    q, k, v, varlen = packed()
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, varlen, None)
+    assert backward._hopper_supports(q, k, v, torch.randn_like(q), torch.empty_like(k), torch.empty_like(v), 0.1,
+                                     0.0, None, varlen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +125,7 @@ def test_backward_dispatch(sm90, monkeypatch):
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=4096) is None
 
 
-@pytest.mark.parametrize("refused", ["none", "negative scale", "softcap", "alibi", "varlen", "expanded k",
+@pytest.mark.parametrize("refused", ["none", "negative scale", "softcap", "alibi", "paged varlen", "expanded k",
                                      "misaligned dk"])
 def test_backward_supports(refused):
     from flashtile.ops import backward
@@ -109,9 +137,12 @@ def test_backward_supports(refused):
         k = k[:1].expand_as(k)
     elif refused == "misaligned dk":
         dk = torch.empty(dk.numel() + 1, dtype=dk.dtype)[1:].view(dk.shape)
+    elif refused == "paged varlen":  # (the API gathers the pages before a backward)
+        q, k, v, args["varlen"] = packed(paged=True)
+        dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
     elif refused != "none":
         args.update({"negative scale": dict(softmax_scale=-0.1), "softcap": dict(softcap=30.0),
-                     "alibi": dict(alibi_slopes=torch.rand(4)), "varlen": dict(varlen=object())}[refused])
+                     "alibi": dict(alibi_slopes=torch.rand(4))}[refused])
     assert backward._hopper_supports(q, k, v, dout, dk, dv, **args) == (refused == "none")
 
 

@@ -13,6 +13,7 @@ from flashtile.bench.harness import capture
 from flashtile.ops import backward, configs, forward
 from flashtile.reference.dropout import draw_rng
 from prefill_check import check_dq_accumulates, check_past_65535_heads, check_prefill, make_qkv
+from varlen_check import check_varlen
 
 pytestmark = pytest.mark.cuda
 
@@ -291,3 +292,84 @@ def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, d):
     assert hopper_backward_launches
     for a, b in zip(hopper_grads, triton_grads):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed (varlen) batches in both Hopper kernels: sequences of 0, 1 and odd lengths, sq_i != sk_i,
+# key and row blocks that run into the next sequence (its rows must not be touched: the outputs
+# and gradients are poisoned first, the oracle runs each sequence alone).
+# ---------------------------------------------------------------------------------------------
+
+VARLEN = {  # (lens_q, lens_k)
+    "mixed": ([113, 0, 1, 700, 257, 64], [203, 9, 1, 700, 128, 0]),
+    "long-short": ([1023, 17, 2048], [1024, 300, 2048]),
+    "short": ([1, 5, 17, 129, 3], [3, 5, 300, 129, 1]),
+}
+
+
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("lengths", VARLEN.values(), ids=VARLEN.keys())
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_varlen(hopper_launches, hopper_backward_launches, d, lengths, dtype, causal, heads):
+    check_varlen(*lengths, *heads, d, dtype, "cuda", causal=causal)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_varlen_window_seqused_dropout(hopper_launches, hopper_backward_launches, d):
+    """A window, seqused_k (keys past it get zero gradients) and dropout (the mask of each
+    sequence's own rows and keys, as the Triton kernels draw it) on packed batches."""
+    check_varlen([300, 50, 700], [400, 51, 900], 4, 2, d, torch.bfloat16, "cuda", window=(100, 20))
+    check_varlen([300, 50, 700], [400, 51, 900], 4, 2, d, torch.bfloat16, "cuda", causal=True,
+                 seqused=[350, 0, 899])
+    check_varlen([113, 0, 1, 700, 257], [203, 9, 1, 700, 128], 4, 2, d, torch.bfloat16, "cuda", causal=True,
+                 dropout_p=0.17)
+    assert len(hopper_launches) == 3 and len(hopper_backward_launches) == 3
+
+
+def test_varlen_sink_delta(hopper_backward_launches):
+    """The attention sink's gradient on a packed batch reads delta in the LSE's (h, total_q) layout,
+    which the Hopper backward's delta launch writes (the forward with a sink is the Triton one)."""
+    check_varlen([300, 50, 700], [400, 51, 900], 4, 2, 128, torch.bfloat16, "cuda", causal=True, sink=True)
+    assert hopper_backward_launches
+
+
+def test_varlen_long_and_many_short(hopper_launches, hopper_backward_launches):
+    """8k-16k sequences in one packed batch, and 1000 sequences of 1-64 tokens."""
+    lens = [16384, 8192, 4096, 3000]
+    check_varlen(lens, lens, 2, 1, 128, torch.bfloat16, "cuda", causal=True)
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 65, (1000,), generator=gen).tolist()
+    check_varlen(lens, lens, 4, 2, 64, torch.bfloat16, "cuda", causal=True)
+    assert len(hopper_launches) == 2 and len(hopper_backward_launches) == 2
+
+
+def test_varlen_reruns(hopper_launches, hopper_backward_launches):
+    """A packed batch with dropout, 10 reruns of the Hopper kernels (one seed): out, dK and dV
+    bitwise equal, dQ (TMA reductions in the order programs finish) to fp32 rounding; and against
+    the Triton backward (deterministic=True), equal up to rounding."""
+    from flashtile import flash_attn_varlen_func
+
+    lens = [700, 1, 1300, 64, 4000]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def run(deterministic=False):
+        torch.manual_seed(5)
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), dropout_p=0.1, causal=True,
+                                     deterministic=deterministic)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    first = run()
+    for _ in range(10):
+        out, dq, dk, dv = run()
+        assert torch.equal(out, first[0]) and torch.equal(dk, first[2]) and torch.equal(dv, first[3])
+        torch.testing.assert_close(dq, first[1], atol=2e-3, rtol=1e-2)
+    assert len(hopper_backward_launches) == 11
+    for a, b in zip(first, run(deterministic=True)):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert len(hopper_backward_launches) == 11

@@ -50,33 +50,39 @@ from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOP
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
 
-@triton.jit(do_not_specialize=["sq", "rows_out", "head_dim"])
-def _delta_kernel(Out, dOut, Delta, Lse, Lse2, stride_ob, stride_om, stride_oh, stride_od,
-                  stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq, rows_out,
+@triton.jit(do_not_specialize=["sq", "rows_out", "head_dim", "total_q"])
+def _delta_kernel(Out, dOut, Delta, Lse, Lse2, DeltaOut, CuSeqQ, stride_ob, stride_om, stride_oh, stride_od,
+                  stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq, rows_out, total_q,
                   head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                  WRITE_LSE2: tl.constexpr):
+                  WRITE_LSE2: tl.constexpr, IS_VARLEN: tl.constexpr):
     """delta = rowsum(dO * O) of rows [start_m, start_m + BLOCK_M) of head bh into Delta, which
     holds rows_out >= sq rows per head (rows past sq get 0). WRITE_LSE2: also the LSE in the log2
     domain into Lse2, laid out alike, +inf past sq and where a row saw no key (P = 0 there): what
-    the Hopper backward's loader copies in without masks."""
+    the Hopper backward's loader copies in without masks; and delta in the LSE's layout into
+    DeltaOut when given. IS_VARLEN: b is a sequence of a packed batch (its rows from cu_seqlens, the
+    LSE (h, total_q)), sq the longest."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # grid (row blocks, heads, batch)
     b = bh // nheads
     h = bh % nheads
+    q_start, sq, _, _ = seq_bounds(b, CuSeqQ, CuSeqQ, None, sq, sq, total_q, total_q, IS_VARLEN, False, False)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    rows = (q_start + offs_m)[:, None].to(tl.int64)
     mask = (offs_m[:, None] < sq) & head_dim_mask(offs_d, head_dim, EVEN_D)
-    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(dOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                 + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + bh.to(tl.int64) * rows_out + offs_m, tl.sum(o * do, 1), mask=offs_m < rows_out)
+    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows * stride_om
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(Delta + bh.to(tl.int64) * rows_out + offs_m, delta, mask=offs_m < rows_out)
     if WRITE_LSE2:
-        lse = tl.load(Lse + bh.to(tl.int64) * sq + offs_m, mask=offs_m < sq, other=float("-inf"))
+        lse_rows = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN) + offs_m
+        lse = tl.load(Lse + lse_rows, mask=offs_m < sq, other=float("-inf"))
         tl.store(Lse2 + bh.to(tl.int64) * rows_out + offs_m,
                  tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), mask=offs_m < rows_out)
+        if DeltaOut is not None:
+            tl.store(DeltaOut + lse_rows, delta, mask=offs_m < sq)
 
 
 @triton.jit
@@ -490,7 +496,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes,
                                                varlen) and (not accumulate_dq or tma_ok(dq)):
         _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
-                     dropout)
+                     dropout, varlen)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -498,9 +504,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         pre = configs.delta_config(d, q.device)
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
         rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
-        launch(_delta_kernel, (cdiv(rows, pre.block_m), h, n), (out, dout, delta, None, None),
-               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, d), pre.num_warps,
-               pre.num_stages, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d, WRITE_LSE2=False)
+        launch(_delta_kernel, (cdiv(rows, pre.block_m), h, n), (out, dout, delta, None, None, None, None),
+               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, 0, d), pre.num_warps,
+               pre.num_stages, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d, WRITE_LSE2=False,
+               IS_VARLEN=False)
 
     # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
     # programs stream Q and dO, dQ programs K and V
@@ -553,6 +560,11 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # block pair instead of the Triton path's 7, at the price of an order of additions that changes
 # from run to run: deterministic=True keeps the Triton path.
 #
+# Packed batches (IS_VARLEN, as the Triton programs): a program finds its sequence in cu_seqlens,
+# the copies address the packed tensors as one sequence of all the rows, and dK / dV leave through
+# masked pointer stores, since a TMA store of a block that runs into the next sequence would
+# overwrite that sequence's first keys.
+#
 # At d=256 (SPLIT_D) a warpgroup's fp32 dK and dV of 64 keys would fill its registers, so a
 # program owns 64 keys and the warpgroups split the head dim instead: each computes S and dP for
 # 32 of the keys (in the untransposed orientation), P and dS meet in shared memory, and each
@@ -569,12 +581,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                   lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad, start_n,
-                   lo, n_m):
+                   lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads, rows_pad,
+                   start_n, lo, n_m):
     """Loader partition: the program's K and V (one buffer per key half, or one for all with
     SPLIT_D), then for step i (head g = i // n_m of the group, Q block i % n_m) Q with its LSE and
     dO with its delta into buffer i % NUM_STAGES once both consumers have freed it. A program whose
-    keys no row sees loads nothing."""
+    keys no row sees loads nothing. The copies address batch tb from row q0 (Q, dO) and k0 (K, V):
+    b, 0, 0 for a dense batch, 0 and the sequence's first rows for a packed one."""
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     KEY_ROWS: gl.constexpr = k_desc.block_type.shape[1]
@@ -583,8 +596,9 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
     if n_steps > 0:
         mbarrier.expect(kv_bar, 2 * KEY_BUFS * k_desc.block_type.nbytes)
         for part in gl.static_range(KEY_BUFS):
-            tma.async_copy_global_to_shared(k_desc, [b, start_n + part * KEY_ROWS, hk, 0], kv_bar, k_bufs.index(part))
-            tma.async_copy_global_to_shared(v_desc, [b, start_n + part * KEY_ROWS, hk, 0], kv_bar, v_bufs.index(part))
+            key = k0 + start_n + part * KEY_ROWS
+            tma.async_copy_global_to_shared(k_desc, [tb, key, hk, 0], kv_bar, k_bufs.index(part))
+            tma.async_copy_global_to_shared(v_desc, [tb, key, hk, 0], kv_bar, v_bufs.index(part))
     for i in range(n_steps):
         stage = i % NUM_STAGES
         h = hk * group + i // n_m
@@ -592,19 +606,20 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
         stats_row = (b * nheads + h) * rows_pad + row
         mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)  # the first round passes at once
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_ready.index(stage), q_bufs.index(stage))
+        tma.async_copy_global_to_shared(q_desc, [tb, q0 + row, h, 0], q_ready.index(stage), q_bufs.index(stage))
         tma.async_copy_global_to_shared(lse_desc, [stats_row], q_ready.index(stage), lse_bufs.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, row, h, 0], do_ready.index(stage), do_bufs.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [tb, q0 + row, h, 0], do_ready.index(stage), do_bufs.index(stage))
         tma.async_copy_global_to_shared(delta_desc, [stats_row], do_ready.index(stage), delta_bufs.index(stage))
 
 
 @gluon.jit
 def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                      dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, hk, group, start_n, lo,
-                      n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale, softmax_scale, Rng, nheads,
-                      threshold, dropout_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      DEFER_DQ: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+                      dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk, group,
+                      start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softmax_scale, Rng,
+                      nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr,
+                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
     its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
@@ -612,7 +627,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     runs under S^T; no product is left in flight from one step to the next (ptxas would serialise
     every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ.
     HAS_DROPOUT: P^T and dP^T see the forward's keep-mask (made while S^T is computed), dV is
-    scaled by 1 / (1 - p) at the end, as in the Triton programs."""
+    scaled by 1 / (1 - p) at the end, as in the Triton programs. IS_VARLEN: dK and dV leave
+    through pointers, masked at the sequence's last key (a TMA store of the block would write its
+    zeros over the next sequence's first keys); tb, q0, k0 as _bwd_sm90_load's."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]  # this warpgroup's keys (with SPLIT_D, the program's)
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -643,25 +660,29 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
             mbarrier.wait(kv_bar, 0)
         for i in range(n_steps):
             dk, dv = _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                          q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
+                                          q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
+                                          n_m,
                                           full_lo, full_hi, sk, diag_offset, left, right, qk_scale, start_n, dq_zero,
                                           drop, HAS_LEFT, HAS_RIGHT, HAS_DROPOUT)
     elif n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
             dk, dv = _bwd_sm90_step(0, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
+                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
+                                    n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, key0, offs_n, s_zero,
                                     dq_zero, drop, HAS_LEFT, HAS_RIGHT, True, False, HAS_DROPOUT)
         for i in range(1 if DEFER_DQ else 0, n_steps):
             dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m,
+                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
+                                    n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, key0, offs_n, s_zero,
                                     dq_zero, drop, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_DROPOUT)
         if DEFER_DQ:
             last = n_steps - 1
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
-            _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, lo + (last % n_m) * BLOCK_M, hk * group + last // n_m, half)
+            _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, q0 + lo + (last % n_m) * BLOCK_M, hk * group + last // n_m,
+                             half)
     tma.store_wait(0)
     # both warpgroups read all of K: wait for the other's last dQ product, then the K and V buffers
     # take dK and dV on their way out (rows past sk are clipped): this warpgroup's key half of them,
@@ -679,23 +700,34 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         col = 0
     if HAS_DROPOUT:
         dv = dv * dropout_scale
-    dk_smem.reshape([HALF_N, OWN_D]).store((dk * softmax_scale).to(q_bufs.dtype))
-    dv_smem.reshape([HALF_N, OWN_D]).store(dv.to(q_bufs.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, col], dk_smem)
-    tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, col], dv_smem)
-    tma.store_wait(0)
+    if IS_VARLEN:
+        keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
+        cols = col + gl.arange(0, OWN_D, layout=gl.SliceLayout(0, kv_layout))
+        rows = (k0 + keys)[:, None].to(gl.int64)
+        ok = (keys < sk)[:, None]
+        gl.store(DK + hk.to(gl.int64) * stride_dkh + rows * stride_dkn + cols[None, :],
+                 (dk * softmax_scale).to(DK.dtype.element_ty), mask=ok)
+        gl.store(DV + hk.to(gl.int64) * stride_dvh + rows * stride_dvn + cols[None, :], dv.to(DV.dtype.element_ty),
+                 mask=ok)
+    else:
+        dk_smem.reshape([HALF_N, OWN_D]).store((dk * softmax_scale).to(q_bufs.dtype))
+        dv_smem.reshape([HALF_N, OWN_D]).store(dv.to(q_bufs.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, col], dk_smem)
+        tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, col], dv_smem)
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, q_ready,
-                   do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m, full_lo, full_hi, sk,
+                   do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
                    diag_offset, left, right, qk_scale, key0, offs_n, s_zero, dq_zero, drop, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr,
                    HAS_DROPOUT: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
     and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
-    step i-1's dQ first (HAS_PREV). Returns dK, dV."""
+    step i-1's dQ first (HAS_PREV); dQ goes to batch tb, rows from q0 (_bwd_sm90_load's). Returns
+    dK, dV."""
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]
@@ -715,7 +747,8 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S^T = K Q^T
     if HAS_PREV:  # step i-1's dQ leaves while S^T runs
         dq = warpgroup_mma_wait(1, deps=(dq_tok, ))
-        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, lo + ((i - 1) % n_m) * BLOCK_M, hk * group + (i - 1) // n_m, half)
+        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, q0 + lo + ((i - 1) % n_m) * BLOCK_M, hk * group + (i - 1) // n_m,
+                         half)
     mbarrier.wait(do_ready.index(stage), phase)
     do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
     v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
@@ -754,7 +787,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
     if not DEFER_DQ:
         dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero), ))
-        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, start_m, hk * group + i // n_m, half)
+        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, q0 + start_m, hk * group + i // n_m, half)
     return dk, dv
 
 
@@ -777,7 +810,7 @@ def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero):
 
 @gluon.jit
 def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, q_ready,
-                         do_ready, empty, ds_ready, dq_desc, half, b, hk, group, lo, n_m, full_lo, full_hi, sk,
+                         do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
                          diag_offset, left, right, qk_scale, start_n, dq_zero, drop, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Step i with SPLIT_D (FA3's schedule at d=256). The warpgroups split S = Q K^T and dP = dO V^T
@@ -855,34 +888,41 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
     second_smem.reshape(second.shape).store(second)
     fence_async_shared()
     h = hk * group + i // n_m
-    _tma_reduce_add(dq_desc, [b, start_m, h, col], first_smem)
-    _tma_reduce_add(dq_desc, [b, start_m, h, col + QUARTER], second_smem)
+    _tma_reduce_add(dq_desc, [tb, q0 + start_m, h, col], first_smem)
+    _tma_reduce_add(dq_desc, [tb, q0 + start_m, h, col + QUARTER], second_smem)
     tma.store_wait(0)
     mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
     return dk, dv
 
 
 @gluon.jit
-def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, b, start_m, h, half):
+def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
     """A consumer's half of a Q block's dQ (its columns half * HALF_D onwards) into the fp32 dQ
-    buffer by TMA reduce-add (rows past sq are clipped), through its shared buffer once the
-    previous reduction has read it."""
+    buffer at (tb, row) by TMA reduce-add (rows past the tensor are clipped; in a packed batch the
+    rows past the sequence's end, whose P is 0, add zeros to the next one's), through its shared
+    buffer once the previous reduction has read it."""
     HALF_D: gl.constexpr = dq.shape[1]
     tma.store_wait(0)
     dq_bufs.index(half).reshape(dq.shape).store(dq)
     fence_async_shared()
-    _tma_reduce_add(dq_desc, [b, start_m, h, half * HALF_D], dq_bufs.index(half))
+    _tma_reduce_add(dq_desc, [tb, row, h, half * HALF_D], dq_bufs.index(half))
 
 
-@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad"])
+@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k"])
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
+                     CuSeqQ, CuSeqK, SeqUsedK, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale, threshold,
-                     dropout_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+                     dropout_scale, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr,
+                     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch); key block 0 first, the longest with a causal mask.
     A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
     share (configs.hopper_backward_split_d). rows_pad: rows per head of the LSE and delta buffers
-    (a multiple of the Q block)."""
+    (a multiple of the Q block). IS_VARLEN: a packed batch (the descriptors over (1, total, heads,
+    d) views; DK, DV its gradients, (total_k, hk, d)) whose `batch` counts sequences, sq / sk the
+    longest: a program finds its sequence in cu_seqlens (seq_bounds); a key block past its end
+    does nothing, and one that runs into the next sequence masks every step (those keys' rows of
+    P^T are zero, so nothing of them reaches dQ)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
@@ -895,11 +935,16 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     b = bhk // nheads_k
     hk = bhk % nheads_k
     group = nheads // nheads_k
+    q0, sq, k0, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN, HAS_SEQUSED, False)
+    tb = 0 if IS_VARLEN else b
     diag_offset = sk - sq
     # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
     lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
                                            HAS_RIGHT, HAS_LEFT)
     n_m = gl.cdiv(hi - lo, BLOCK_M)
+    if IS_VARLEN:
+        n_m = gl.where(start_n < sk, n_m, 0)
+        full_hi = gl.where(start_n + BLOCK_N > sk, full_lo, full_hi)
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -934,18 +979,18 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     # arguments spelled out per partition (see _fwd_kernel_sm90)
     gl.warp_specialize([
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, hk, group,
-                             start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, Rng, nheads, threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ,
-                             HAS_DROPOUT)),
+                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, tb, q0, k0,
+                             hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
+                             softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh,
+                             stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_DROPOUT, IS_VARLEN)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, hk, group,
-                             start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, Rng, nheads, threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, DEFER_DQ,
-                             HAS_DROPOUT)),
+                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, tb, q0, k0,
+                             hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
+                             softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh,
+                             stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_DROPOUT, IS_VARLEN)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                          lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, hk, group, nheads, rows_pad,
-                          start_n, lo, n_m)),
+                          lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
+                          rows_pad, start_n, lo, n_m)),
     ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
@@ -954,9 +999,11 @@ ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, ran
 
 def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen) -> bool:
     """Can _bwd_kernel_sm90 take this call? As the Hopper forward (ops.forward._hopper_supports):
-    dense BSHD batches (dropout included) with a positive scale and no score modifier, whose inputs
-    and dK/dV TMA can address."""
-    if softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None:
+    BSHD and packed batches (dropout included) with a positive scale and no score modifier, whose
+    inputs and dK/dV TMA can address."""
+    if softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None:
+        return False
+    if varlen is not None and varlen.block_table is not None:
         return False
     return all(map(tma_ok, (q, k, v, dout, dk, dv)))
 
@@ -973,22 +1020,29 @@ def sm90_boxes(cfg, d: int) -> dict:
 
 
 def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq,
-                 dropout=None):
+                 dropout=None, varlen=None):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
-    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled; dropout as
-    attention_backward's.
+    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled; dropout and
+    varlen (a packed batch) as attention_backward's; delta (shaped like lse) gets delta when given.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    rows_pad = cdiv(sq, cfg.block_m) * cfg.block_m
+    h, d = q.shape[-2:]
+    hk = k.shape[-2]
+    b, sq, sk = grid_lengths(q, k, varlen)
+    packed = varlen is not None
+    vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
+    rows_pad = cdiv(sq, cfg.block_m) * cfg.block_m  # per sequence of a packed batch, its longest
     stats = torch.empty((2, b * h * rows_pad), dtype=torch.float32, device=q.device)  # log2 LSE, delta
     pre = configs.delta_config(d, q.device)
-    launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), h, b), (out, dout, stats[1], lse, stats[0]),
-           (*out.stride(), *dout.stride(), h, sq, rows_pad, d), pre.num_warps, pre.num_stages,
-           BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True)
-    if delta is not None:  # the caller's copy, shaped like lse
-        delta.copy_(stats[1].view(b, h, rows_pad)[..., :sq])
+    launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), h, b), (out, dout, stats[1], lse, stats[0], delta,
+                                                                vl_tensors[0]),
+           (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q, d), pre.num_warps,
+           pre.num_stages, BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True, IS_VARLEN=packed)
     dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grads = (dk, dv)
+    if packed:  # one sequence of all the rows for the copy engine; the kernel finds each
+        q, k, v, dout, dk, dv, dq_acc_rows = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv, dq_acc))
+    else:
+        dq_acc_rows = dq_acc
     rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
     boxes = sm90_boxes(cfg, d)
 
@@ -998,10 +1052,13 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
         box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
-        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc, "dq_desc"), rng,
-        h, hk, sq, sk, left or 0, right or 0, rows_pad, kernel_scale(softmax_scale, 0.0)[0], softmax_scale,
-        threshold, dropout_scale, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3],
+        *(grads if packed else (None, None)), *(grads[0].stride()[:2] if packed else (0, 0)),
+        *(grads[1].stride()[:2] if packed else (0, 0)), h, hk, sq, sk, left or 0, right or 0, rows_pad,
+        kernel_scale(softmax_scale, 0.0)[0], softmax_scale, threshold, dropout_scale, total_q, total_k,
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
-        HAS_DROPOUT=has_dropout, num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+        HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], num_warps=cfg.num_warps,
+        maxnreg=HOPPER_MAXNREG)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

@@ -250,7 +250,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
         return out, lse
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq)
     if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, sink):
-        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout)
+        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen)
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
@@ -285,7 +285,10 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # 16k 425 / 434 -> 443 / 452 (ab_three_consumers.txt, medians of three alternating rounds).
 # Their row sums l are taken by the tensor cores (P times an [N, 8] tile of ones, beside P V), 64 FADDs a
 # row block fewer: 1k-8k +1-3%, causal level (ab_forward_rowsum_mma.txt, medians of five).
-# Masks and block ranges are the Triton kernel's helpers. Measured and left out
+# Masks and block ranges are the Triton kernel's helpers, and so is IS_VARLEN: a packed batch's
+# tiles find their sequences in cu_seqlens and the copy engine reads the packed tensors as one
+# sequence of all the rows (varlen forward + backward 376 / 296 -> 482 / 399 TFLOP/s, NOTES.md
+# "Packed batches on the Hopper kernels"). Measured and left out
 # (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to alternate on the tensor cores
 # (FA3's ping-pong) with a pair of mbarriers was slower here.
 # ----------------------------------------------------------------------------------------------
@@ -307,15 +310,26 @@ def hopper_forward_maxnreg(consumers: int) -> int:
 
 
 @gluon.jit
-def _fwd_sm90_tile(tile, n_m, nheads, group, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Tile `tile` of the persistent grid: (start_m, b, h, hk, lo, full_lo, full_hi, n_blocks).
-    Tiles go in the Triton kernel's launch order (row blocks, then heads, then batch), so the
-    programs working at once share a few heads' K/V in L2; under a right-bounded mask a head's
-    last row block, which sees the most keys, comes first (q_block_program's HEAVY_LAST)."""
+def _fwd_sm90_tile(tile, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+    """Tile `tile` of the persistent grid: (start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start,
+    sq_b, k_start, sk_b). Tiles go in the Triton kernel's launch order (row blocks, then heads, then
+    batch), so the programs working at once share a few heads' K/V in L2; under a right-bounded mask
+    a head's last row block, which sees the most keys, comes first (q_block_program's HEAVY_LAST).
+    IS_VARLEN: b is a sequence of the packed batch, its rows q_start .. q_start + sq_b - 1 of q and
+    keys k_start .. of k (seq_bounds); n_m covers the longest, and a tile past its sequence's end has
+    no block. A tile's last rows and keys may run into the next sequence's: the keys are masked
+    (block_range puts the block past sk_b among the masked ones), the rows are never stored."""
     start_m, bh, b, h, hk = q_block_of(tile % n_m, n_m, tile // n_m, nheads, group, BLOCK_M, HAS_RIGHT)
-    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, sk - sq, left, right, HAS_LEFT, HAS_RIGHT)
-    return start_m, b, h, hk, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
+    q_start, sq_b, k_start, sk_b = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN,
+                                              HAS_SEQUSED, False)
+    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk_b, sk_b - sq_b, left, right, HAS_LEFT,
+                                           HAS_RIGHT)
+    n_blocks = gl.cdiv(hi - lo, BLOCK_N)
+    if IS_VARLEN:
+        n_blocks = gl.where(start_m < sq_b, n_blocks, 0)
+    return start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b
 
 
 @gluon.jit
@@ -352,12 +366,15 @@ def _fwd_sm90_next(tile_ids, tile_ready, tile_free, n):
 @gluon.jit
 def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                    k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr):
+                   CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   PERSISTENT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     """Loader partition, tile after tile: both Q halves once both consumers are done with the
     previous tile's (its last S is computed; its last P V and output run under this copy), then
     K_j and V_j into ring slot it % NUM_STAGES once both consumers have freed it (`it` counts K/V
     blocks across tiles). A tile whose rows see no key loads nothing: nobody would wait for it,
-    and the program must not end with copies into its shared memory in flight."""
+    and the program must not end with copies into its shared memory in flight. A packed batch
+    (IS_VARLEN) is read as one sequence of total rows: batch coordinate 0, rows from the tile's
+    sequence start."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
@@ -368,27 +385,29 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
     n = 0
     tile = gl.program_id(0)
     while tile < n_tiles:
-        start_m, b, h, hk, lo, full_lo, full_hi, n_blocks = _fwd_sm90_tile(
-            tile, n_m, nheads, group, sq, sk, left, right, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
+            tile, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
+            CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED)
+        tb = 0 if IS_VARLEN else b
         if n_blocks > 0:
             # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
             qs = q_loads % Q_STAGES
             mbarrier.wait(q_empty.index(qs), ((q_loads // Q_STAGES) & 1) ^ 1)
             mbarrier.expect(q_bar.index(qs), CONSUMERS * q_desc.block_type.nbytes)
             for c in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(q_desc, [b, start_m + c * HALF_M, h, 0], q_bar.index(qs),
+                tma.async_copy_global_to_shared(q_desc, [tb, q_start + start_m + c * HALF_M, h, 0], q_bar.index(qs),
                                                 q_bufs.index(CONSUMERS * qs + c))
             q_loads += 1
         for j in range(n_blocks):
             stage = it % NUM_STAGES
             free = ((it // NUM_STAGES) & 1) ^ 1
-            row = lo + j * BLOCK_N
+            row = k_start + lo + j * BLOCK_N
             mbarrier.wait(k_empty.index(stage), free)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, row, hk, 0], k_ready.index(stage), k_bufs.index(stage))
+            tma.async_copy_global_to_shared(k_desc, [tb, row, hk, 0], k_ready.index(stage), k_bufs.index(stage))
             mbarrier.wait(v_empty.index(stage), free)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, row, hk, 0], v_ready.index(stage), v_bufs.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [tb, row, hk, 0], v_ready.index(stage), v_bufs.index(stage))
             it += 1
         if PERSISTENT:
             tile = _fwd_sm90_fetch(TileCounter, tile_ids, tile_ready, tile_free, n, n_tiles)
@@ -431,15 +450,18 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 @gluon.jit
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                       tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                      qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
-                      HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                      qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ, CuSeqK,
+                      SeqUsedK, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+                      IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks. HAS_DROPOUT: as the Triton
     kernel, P V sees the keep-mask and l does not; a block's Philox calls are made while its S
     is computed. ROWSUM_MMA (three consumers): l is an [HALF_M, 8] accumulator of P times `ones`,
-    whose 8 columns are equal, a product beside P V instead of an addition per score."""
+    whose 8 columns are equal, a product beside P V instead of an addition per score. IS_VARLEN:
+    the output's and the LSE's rows are the sequence's (Out's batch stride is 0, the LSE is (h,
+    total_q)), and only its sq_b rows are stored."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
@@ -455,15 +477,16 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                                                        instr_shape=[16, 8, 16])
     dtype: gl.constexpr = q_bufs.dtype
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): S's layout
-    diag_offset = sk - sq
     seed = dropout_seed(Rng) if HAS_DROPOUT else 0
     it = 0
     q_loads = 0
     n = 0
     tile = gl.program_id(0)
     while tile < n_tiles:
-        start_m, b, h, hk, lo, full_lo, full_hi, n_blocks = _fwd_sm90_tile(
-            tile, n_m, nheads, group, sq, sk, left, right, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
+            tile, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
+            CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED)
+        diag_offset = sk_b - sq_b
         row0 = start_m + half * HALF_M
         acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -480,7 +503,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                 mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
                 k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk, diag_offset,
+                p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b, diag_offset,
                                                       left, right, qk_scale, seed, b * nheads + h, threshold,
                                                       HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, False, HALF_M, BLOCK_N)
                 mbarrier.arrive(k_empty.index(stage), count=1)
@@ -495,7 +518,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
                     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk, diag_offset, left, right, qk_scale, seed, b * nheads + h,
+                                                          sk_b, diag_offset, left, right, qk_scale, seed, b * nheads + h,
                                                           threshold, HAS_LEFT, HAS_RIGHT, 1, HAS_DROPOUT, False,
                                                           HALF_M, BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
@@ -518,7 +541,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                     s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk, diag_offset, left, right, qk_scale, seed, b * nheads + h,
+                                                          sk_b, diag_offset, left, right, qk_scale, seed, b * nheads + h,
                                                           threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, ROWSUM_MMA,
                                                           HALF_M, BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
@@ -553,9 +576,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
         offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-                  + offs_m[:, None].to(gl.int64) * stride_om + offs_d[None, :])
-        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < sq)
-        gl.store(Lse + (b * nheads + h).to(gl.int64) * sq + offs_m, lse, mask=offs_m < sq)
+                  + (q_start + offs_m)[:, None].to(gl.int64) * stride_om + offs_d[None, :])
+        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < sq_b)
+        gl.store(Lse + lse_row_base(b, h, nheads, sq_b, q_start, total_q, IS_VARLEN) + offs_m, lse, mask=offs_m < sq_b)
         if PERSISTENT:
             tile = _fwd_sm90_next(tile_ids, tile_ready, tile_free, n)
         else:
@@ -563,15 +586,18 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
         n += 1
 
 
-@gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right"])
-def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_ob, stride_om, stride_oh,
-                     n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, threshold, dropout_scale,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                     CONSUMERS: gl.constexpr):
+@gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k"])
+def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, stride_ob,
+                     stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, threshold,
+                     dropout_scale, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+                     HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
+                     HAS_SEQUSED: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
-    leaves while the next one's Q and K/V come in."""
+    leaves while the next one's Q and K/V come in. IS_VARLEN: the batch is packed (q_desc, k_desc
+    and v_desc over (1, total, heads, d) views), `batch` counts its sequences and sq / sk are the
+    longest ones (the Triton kernel's flag)."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -615,37 +641,39 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, stride_
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
-                              sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
+                              sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
+                              PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
         ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
+                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
-                              sq, sk, left, right, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
+                              sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
+                              PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
@@ -658,10 +686,12 @@ def tma_ok(t) -> bool:
 
 
 def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, sink) -> bool:
-    """Can _fwd_kernel_sm90 take this call? Dense BSHD batches (dropout included) with a positive
-    scale (its row max is taken on raw products) and without the score modifiers, whose inputs TMA can address and
-    whose output has a contiguous head dim."""
-    if qk_scale <= 0 or softcap > 0 or alibi_slopes is not None or varlen is not None or sink is not None:
+    """Can _fwd_kernel_sm90 take this call? BSHD batches and packed ones without a page table
+    (dropout included) with a positive scale (its row max is taken on raw products) and without the
+    score modifiers, whose inputs TMA can address and whose output has a contiguous head dim."""
+    if qk_scale <= 0 or softcap > 0 or alibi_slopes is not None or sink is not None:
+        return False
+    if varlen is not None and varlen.block_table is not None:
         return False
     return all(map(tma_ok, (q, k, v))) and out.stride(-1) == 1
 
@@ -679,7 +709,8 @@ def tma_box_layout(rows: int, d: int, dtype):
 def box_descriptor(t, rows: int, cols: int | None = None) -> GluonTensorDescriptor:
     """A TMA descriptor over a BSHD tensor whose box is `rows` positions of one head (and `cols` of
     its head dim, all by default): rows past the sequence's end read as zeros and are not written
-    (never the next batch's rows)."""
+    (never the next batch's rows). A packed batch, viewed as (1, total, heads, d), reads on into
+    the next sequence's rows there: the kernels mask them."""
     cols = t.shape[-1] if cols is None else cols
     return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols],
                                  tma_box_layout(rows, cols, t.dtype))
@@ -704,13 +735,18 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None):
+def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None):
     """Tiles of cfg.block_m rows, 64 per consumer warpgroup (configs.hopper_forward_consumers;
     cfg.num_warps = 4 each); cfg.num_stages K/V buffers; a program per SM walking tiles where
-    configs.hopper_forward_persistent says so, else a program per tile. dropout as
-    attention_forward's."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    configs.hopper_forward_persistent says so, else a program per tile. dropout and varlen (a
+    packed batch without a page table) as attention_forward's."""
+    h, d = q.shape[-2:]
+    hk = k.shape[-2]
+    b, sq, sk = grid_lengths(q, k, varlen)
+    vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
+    if varlen is not None:  # one sequence of all the rows for the copy engine; the kernel finds each
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out_strides = seq_strides(out, varlen is not None)
     n_m = cdiv(sq, cfg.block_m)
     n_tiles = n_m * h * b
     persistent = configs.hopper_forward_persistent(d)
@@ -718,10 +754,11 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None):
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     consumers = configs.hopper_forward_consumers(d)
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
-                           box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng,
-                           out.stride(0), out.stride(1), out.stride(2),
-                           n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, threshold, dropout_scale,
-                           HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+                           box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3],
+                           *out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
+                           threshold, dropout_scale, total_q, total_k, HAS_LEFT=left is not None,
+                           HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
-                           HAS_DROPOUT=has_dropout, CONSUMERS=consumers, num_warps=cfg.num_warps,
+                           HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
+                           HAS_SEQUSED=vl_flags["HAS_SEQUSED"], num_warps=cfg.num_warps,
                            maxnreg=hopper_forward_maxnreg(consumers))
