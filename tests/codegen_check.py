@@ -1,8 +1,8 @@
 """Compile the prefill kernels for sm_90 on the CPU and count their global loads/stores by width.
 
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
-    python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout] [--varlen]   (the
-        Gluon Hopper kernels: ptxas's report)
+    python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout] [--varlen] [--sink]
+        (the Gluon Hopper kernels, --sink the forward only: ptxas's report)
     python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine]   (the decoding split
         kernel, fp16, 16 q / 2 kv heads: registers, spills, shared memory, whether it lets a dependent
         launch start)
@@ -113,9 +113,9 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
                           options=dict(num_warps=blocks[-2], num_stages=blocks[-1]))
 
 
-def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False):
+def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
-    packed batch without seqused_k)."""
+    packed batch without seqused_k; sink: an fp32 attention sink)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_forward_tiles(d)
@@ -124,11 +124,13 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
                  HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
-                 HAS_SEQUSED=False, SeqUsedK=None)
+                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink)
     if not dropout:
         const["Rng"] = None
     if not varlen:
         const.update(CuSeqQ=None, CuSeqK=None)
+    if not sink:
+        const["Sink"] = None
     boxes = dict(q_desc=cfg.block_m // const["CONSUMERS"], k_desc=cfg.block_n, v_desc=cfg.block_n)
     signature = {}
     for n in names:
@@ -139,7 +141,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
             signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
         else:
             signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "Rng": "*i64", "qk_scale": "fp32",
-                            "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32"}.get(n, "i32")
+                            "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.hopper_forward_maxnreg(const["CONSUMERS"])))
@@ -299,9 +301,12 @@ if __name__ == "__main__":
         print(json.dumps(dict(waits_before_loads=waits_before_loads(compiled))))
         sys.exit(0)
     if argv[0] in ("forward-sm90", "backward-sm90"):
-        compile_hopper = compile_hopper_forward if argv[0] == "forward-sm90" else compile_hopper_backward
-        print(json.dumps(ptxas_report(compile_hopper(int(argv[1]), "--causal" in argv, "--dropout" in argv,
-                                                     "--varlen" in argv))))
+        options = ("--causal" in argv, "--dropout" in argv, "--varlen" in argv)
+        if argv[0] == "forward-sm90":
+            compiled = compile_hopper_forward(int(argv[1]), *options, sink="--sink" in argv)
+        else:
+            compiled = compile_hopper_backward(int(argv[1]), *options)
+        print(json.dumps(ptxas_report(compiled)))
         sys.exit(0)
     flags = {}
     if "--flags" in argv:

@@ -119,6 +119,16 @@ def test_hopper_kernels_compile_for_packed_batches(kernel, d):
         assert report["shared_bytes"] <= 227 * 1024, report
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_forward_compiles_with_a_sink(d):
+    """HAS_SINK in the Hopper forward (the sink folded into l and m before the epilogue): within
+    the dense kernel's spill bound, wgmmas asynchronous; with the flag off the SASS is the one
+    before the flag (NOTES.md)."""
+    report = memory_ops("forward-sm90", d, "--causal", "--sink")
+    assert report["spill_bytes"] <= 208, report
+    assert not report["wgmma_serialised"], report
+
+
 @pytest.mark.parametrize("page_size", [0, 16, 64], ids=["contiguous", "page16", "page64"])
 def test_decoding_append_costs_the_loop_nothing(page_size):
     """A decoding step that appends k/v (APPEND) compiles to the plain step's shared memory and

@@ -40,24 +40,24 @@ def qkv(b=2, s=256, h=4, d=128):
 
 def test_supports_plain_strided_layouts():
     q, k, v = qkv()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, None, None)
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, None)
     bhsd = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, 0.0, None, None, None)
+    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, 0.0, None, None)
 
 
 def test_refuses_what_tma_cannot_read():
     q, k, v = qkv()
     out = torch.empty_like(q)
     shared_k = k[:1].expand_as(k)  # stride 0 over the batch
-    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, 0.0, None, None, None)
+    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, 0.0, None, None)
     base = torch.empty(q.numel() + 1, dtype=q.dtype)
     shifted = base[1:].view(q.shape)  # 2 bytes past 16-byte alignment
     assert shifted.data_ptr() % 16 != 0
-    assert not forward._hopper_supports(shifted, k, v, out, 1.0, 0.0, None, None, None)
+    assert not forward._hopper_supports(shifted, k, v, out, 1.0, 0.0, None, None)
     odd = torch.randn(2, 256, 4, 130, dtype=torch.bfloat16)[..., :128]  # head stride of 260 bytes
-    assert not forward._hopper_supports(q, odd, v, out, 1.0, 0.0, None, None, None)
+    assert not forward._hopper_supports(q, odd, v, out, 1.0, 0.0, None, None)
     assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, 0.0, None,
-                                        None, None)
+                                        None)
 
 
 def packed(paged: bool = False):
@@ -73,19 +73,19 @@ def packed(paged: bool = False):
     return q, k, v, _checks.check_varlen(q, k, v, cu, cu, 144, 144, None, None)
 
 
-@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "paged varlen", "sink"])
+@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "paged varlen"])
 def test_refuses_score_modifiers(modifier):
     """The score modifiers it lacks, a page table (packed batches without one it takes), and a
     negative scale: its row max is taken on the raw products and scaled after, which a negative
-    scale would turn into the row min. (Dropout it takes: test_hopper_cuda.py's test_dropout.)"""
+    scale would turn into the row min. (Dropout and sinks it takes: test_hopper_cuda.py's
+    test_dropout and test_sink.)"""
     q, k, v = qkv()
-    args = dict(qk_scale=1.0, softcap=0.0, alibi_slopes=None, varlen=None, sink=None)
+    args = dict(qk_scale=1.0, softcap=0.0, alibi_slopes=None, varlen=None)
     if modifier == "paged varlen":
         q, k, v, varlen = packed(paged=True)
         args["varlen"] = varlen
     args.update({"negative scale": dict(qk_scale=-0.1), "softcap": dict(softcap=30.0),
-                 "alibi": dict(alibi_slopes=torch.rand(4)), "paged varlen": {},
-                 "sink": dict(sink=torch.zeros(4))}[modifier])
+                 "alibi": dict(alibi_slopes=torch.rand(4)), "paged varlen": {}}[modifier])
     assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
 
 
@@ -96,7 +96,7 @@ def test_supports_packed_batches():
     from flashtile.ops import backward
 
     q, k, v, varlen = packed()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, varlen, None)
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, varlen)
     assert backward._hopper_supports(q, k, v, torch.randn_like(q), torch.empty_like(k), torch.empty_like(v), 0.1,
                                      0.0, None, varlen)
 

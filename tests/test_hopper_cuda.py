@@ -294,6 +294,18 @@ def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, d):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_sink(hopper_launches, hopper_backward_launches, d):
+    """The attention sink in the Hopper forward (folded into each row's sum before the epilogue):
+    output, LSE, gradients and the sink's gradient against the float64 oracle; causal and not, sq
+    != sk, fp16 and bf16, dropout, and a packed batch."""
+    check_prefill(2, 1023, 1024, 4, 2, d, torch.bfloat16, "cuda", causal=True, sink=True)
+    check_prefill(2, 300, 700, 4, 2, d, torch.float16, "cuda", sink=True)
+    check_prefill(2, 700, 300, 4, 1, d, torch.bfloat16, "cuda", sink=True, dropout_p=0.1)
+    check_varlen([300, 50, 0, 700], [400, 51, 9, 900], 4, 2, d, torch.bfloat16, "cuda", causal=True, sink=True)
+    assert len(hopper_launches) == 4 and len(hopper_backward_launches) == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed (varlen) batches in both Hopper kernels: sequences of 0, 1 and odd lengths, sq_i != sk_i,
 # key and row blocks that run into the next sequence (its rows must not be touched: the outputs

@@ -249,8 +249,8 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     if b * sq == 0:
         return out, lse
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq)
-    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, sink):
-        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen)
+    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen):
+        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink)
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
@@ -285,10 +285,11 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # 16k 425 / 434 -> 443 / 452 (ab_three_consumers.txt, medians of three alternating rounds).
 # Their row sums l are taken by the tensor cores (P times an [N, 8] tile of ones, beside P V), 64 FADDs a
 # row block fewer: 1k-8k +1-3%, causal level (ab_forward_rowsum_mma.txt, medians of five).
-# Masks and block ranges are the Triton kernel's helpers, and so is IS_VARLEN: a packed batch's
+# Masks and block ranges are the Triton kernel's helpers, and so are IS_VARLEN (a packed batch's
 # tiles find their sequences in cu_seqlens and the copy engine reads the packed tensors as one
-# sequence of all the rows (varlen forward + backward 376 / 296 -> 482 / 399 TFLOP/s, NOTES.md
-# "Packed batches on the Hopper kernels"). Measured and left out
+# sequence of all the rows: varlen forward + backward 376 / 296 -> 482 / 399 TFLOP/s) and
+# HAS_SINK (fold_sink before the epilogue: a sink's forward at d=128 4k 401 -> 557 TFLOP/s; NOTES.md
+# "Packed batches and sinks on the Hopper kernels"). Measured and left out
 # (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to alternate on the tensor cores
 # (FA3's ping-pong) with a pair of mbarriers was slower here.
 # ----------------------------------------------------------------------------------------------
@@ -451,9 +452,9 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                       tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
                       qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ, CuSeqK,
-                      SeqUsedK, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      SeqUsedK, total_q, total_k, Sink, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                      IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+                      IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks. HAS_DROPOUT: as the Triton
@@ -461,7 +462,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
     is computed. ROWSUM_MMA (three consumers): l is an [HALF_M, 8] accumulator of P times `ones`,
     whose 8 columns are equal, a product beside P V instead of an addition per score. IS_VARLEN:
     the output's and the LSE's rows are the sequence's (Out's batch stride is 0, the LSE is (h,
-    total_q)), and only its sq_b rows are stored."""
+    total_q)), and only its sq_b rows are stored. HAS_SINK: the attention sink joins each row's
+    sum once, before the epilogue (the Triton kernel's fold_sink)."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
@@ -564,9 +566,11 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
         if ROWSUM_MMA:
             l_i = gl.max(l_i, 1)
 
-        # Rows that saw no key: l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        if HAS_SINK:
+            acc, l_o, m_o = fold_sink(acc, l_o, m_o, Sink, h)
+        # Rows that saw no key (nor a sink): l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
         empty = l_o == 0.0
         l_safe = gl.where(empty, 1.0, l_o)
         if HAS_DROPOUT:  # the kept products scaled by 1 / (1 - p)
@@ -587,17 +591,17 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
 
 
 @gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k"])
-def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, stride_ob,
+def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, stride_ob,
                      stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, threshold,
                      dropout_scale, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      NUM_STAGES: gl.constexpr, Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
-                     HAS_SEQUSED: gl.constexpr):
+                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
     leaves while the next one's Q and K/V come in. IS_VARLEN: the batch is packed (q_desc, k_desc
     and v_desc over (1, total, heads, d) views), `batch` counts its sequences and sq / sk are the
-    longest ones (the Triton kernel's flag)."""
+    longest ones (the Triton kernel's flag). HAS_SINK: Sink, the (h,) attention sink, as there."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -641,18 +645,21 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_SINK)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_SINK)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_SINK)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
@@ -663,13 +670,15 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_SINK)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT,
-                                 HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED)),
+                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_SINK)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
@@ -685,11 +694,12 @@ def tma_ok(t) -> bool:
             and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen, sink) -> bool:
+def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen) -> bool:
     """Can _fwd_kernel_sm90 take this call? BSHD batches and packed ones without a page table
-    (dropout included) with a positive scale (its row max is taken on raw products) and without the
-    score modifiers, whose inputs TMA can address and whose output has a contiguous head dim."""
-    if qk_scale <= 0 or softcap > 0 or alibi_slopes is not None or sink is not None:
+    (dropout and sinks included) with a positive scale (its row max is taken on raw products) and
+    without the score modifiers, whose inputs TMA can address and whose output has a contiguous
+    head dim."""
+    if qk_scale <= 0 or softcap > 0 or alibi_slopes is not None:
         return False
     if varlen is not None and varlen.block_table is not None:
         return False
@@ -735,11 +745,11 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None):
+def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None, sink=None):
     """Tiles of cfg.block_m rows, 64 per consumer warpgroup (configs.hopper_forward_consumers;
     cfg.num_warps = 4 each); cfg.num_stages K/V buffers; a program per SM walking tiles where
-    configs.hopper_forward_persistent says so, else a program per tile. dropout and varlen (a
-    packed batch without a page table) as attention_forward's."""
+    configs.hopper_forward_persistent says so, else a program per tile. dropout, varlen (a packed
+    batch without a page table) and sink as attention_forward's."""
     h, d = q.shape[-2:]
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
@@ -755,10 +765,10 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     consumers = configs.hopper_forward_consumers(d)
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
                            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3],
-                           *out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
+                           sink, *out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
                            threshold, dropout_scale, total_q, total_k, HAS_LEFT=left is not None,
                            HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
                            HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
-                           HAS_SEQUSED=vl_flags["HAS_SEQUSED"], num_warps=cfg.num_warps,
+                           HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None, num_warps=cfg.num_warps,
                            maxnreg=hopper_forward_maxnreg(consumers))
