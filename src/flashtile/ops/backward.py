@@ -1038,7 +1038,8 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q, d), pre.num_warps,
            pre.num_stages, BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True, IS_VARLEN=packed)
     dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grads = (dk, dv)
+    # a packed batch's dK / dV leave through pointers (the kernel's IS_VARLEN epilogue)
+    grad_ptrs = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else (None, None, 0, 0, 0, 0)
     if packed:  # one sequence of all the rows for the copy engine; the kernel finds each
         q, k, v, dout, dk, dv, dq_acc_rows = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv, dq_acc))
     else:
@@ -1052,9 +1053,8 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
         box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
-        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3],
-        *(grads if packed else (None, None)), *(grads[0].stride()[:2] if packed else (0, 0)),
-        *(grads[1].stride()[:2] if packed else (0, 0)), h, hk, sq, sk, left or 0, right or 0, rows_pad,
+        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs,
+        h, hk, sq, sk, left or 0, right or 0, rows_pad,
         kernel_scale(softmax_scale, 0.0)[0], softmax_scale, threshold, dropout_scale, total_q, total_k,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
