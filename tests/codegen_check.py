@@ -3,9 +3,9 @@
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
     python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout] [--varlen] [--sink]
         (the Gluon Hopper kernels, --sink the forward only: ptxas's report)
-    python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine]   (the decoding split
-        kernel, fp16, 16 q / 2 kv heads: registers, spills, shared memory, whether it lets a dependent
-        launch start)
+    python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine] [--fused]   (the
+        decoding split kernel, fp16, 16 q / 2 kv heads, --fused with the merge of 64 splits in it:
+        registers, spills, shared memory, whether it lets a dependent launch start, atomics)
     python tests/codegen_check.py combine D --pdl   (the decoding combine kernel as a programmatic
         dependent launch: whether it waits for the launch before it ahead of every global load)
 
@@ -183,10 +183,10 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
 
 
-def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False):
+def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False, fused: bool = False):
     """ops.decode._split_kernel as plan() launches it for an fp16 decoding step over a cache with
-    16 q / 2 kv heads (one query row, one split): int32 cache_seqlens, a block table when paged,
-    new k/v rows to append with `append`."""
+    16 q / 2 kv heads (one query row, one split, or with `fused` 64 splits merged by the kernel):
+    int32 cache_seqlens, a block table when paged, new k/v rows to append with `append`."""
     cfg = configs.decode_config(8, d, torch.float16, page_size, torch.device("cuda"))
     kernel = decode._split_kernel
     names = [p.name for p in kernel.params]
@@ -194,11 +194,12 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
     const = dict(GROUP=8, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
                  HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
                  ROTARY_BY_ROW=False, DOT_PRECISION="ieee", EVEN_D=d == block_d, HAS_SEQLENS=True,
-                 HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_ALIBI=False, FUSED_COMBINE=False,
-                 MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=False, APPEND=append, BLOCK_T=1,
-                 LAUNCH_COMBINE=launch_combine,
-                 OutF=None, LseF=None, Arrivals=None, Sink=None, BatchIdx=None, LeftPad=None, Slopes=None,
-                 Cos=None, Sin=None)
+                 HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_ALIBI=False, FUSED_COMBINE=fused,
+                 MERGE_GROUP=configs.decode_merge_group(64), MERGE_UNROLL=configs.DECODE_MERGE_UNROLL,
+                 HAS_SINK=False, APPEND=append, BLOCK_T=1, LAUNCH_COMBINE=launch_combine,
+                 Sink=None, BatchIdx=None, LeftPad=None, Slopes=None, Cos=None, Sin=None)
+    if not fused:
+        const.update(OutF=None, LseF=None, Arrivals=None)
     if not page_size:
         const["BlockTable"] = None
     if not append:
@@ -209,7 +210,8 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
         if n in const:
             signature[n] = "constexpr"
         elif n[0].isupper():
-            signature[n] = "*i32" if n in ("Seqlens", "BlockTable") else "*fp16"
+            signature[n] = ("*i32" if n in ("Seqlens", "BlockTable", "Arrivals") else
+                            "*fp32" if n in ("Lse", "LseF") or (fused and n == "Out") else "*fp16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[n] = "fp32" if n in ("qk_scale", "softcap") else "i32"
@@ -292,9 +294,11 @@ def global_memory_ops(compiled) -> dict:
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv[0] == "decode":
-        compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv, "--launch-combine" in argv)
+        compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv, "--launch-combine" in argv,
+                                  "--fused" in argv)
         print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared,
-                              launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"])))
+                              launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
+                              acq_rel_atomics=compiled.asm["ptx"].count(".acq_rel.add"))))
         sys.exit(0)
     if argv[0] == "combine":
         compiled = compile_combine(int(argv[1]), "--pdl" in argv)

@@ -7,6 +7,7 @@ import torch
 
 import flashtile
 from flashtile.bench.harness import capture
+from flashtile.ops import configs
 from decode_check import check_kvcache, make_cache
 from prefill_check import check_prefill, sink_logits
 from test_prefill_cuda import HEADDIMS, SEQLENS
@@ -39,10 +40,13 @@ def test_varlen_paged():
     check_varlen([300, 17], [900, 2048], 8, 2, 128, torch.bfloat16, "cuda", causal=True, page_size=64, sink=True)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 64, 0], ids=["one", "fused", "combine-kernel", "heuristic"])
+@pytest.mark.parametrize("num_splits,combine", [(1, "fused"), (3, "fused"), (64, "fused"), (64, "kernel"), (0, None)],
+                         ids=["one", "fused", "fused-two-levels", "combine-kernel", "heuristic"])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_decode(num_splits, page_size, dtype):
+def test_decode(num_splits, combine, page_size, dtype, monkeypatch):
+    if combine is not None:
+        monkeypatch.setattr(configs, "DECODE_FUSED_MAX_SPLITS", 1 << 30 if combine == "fused" else 0)
     check_kvcache(4, 1, 16, 2, 128, 4096, 1, dtype, "cuda", page_size=page_size, lengths=[4000, 17, 0, 2500],
                   num_splits=num_splits, causal=True, sink=True)
 

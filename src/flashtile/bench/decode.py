@@ -295,7 +295,9 @@ def run(args, path: str | None = None) -> dict:
               "headdim": HEADDIM, "rotation_mb": ROTATION_BYTES / 2**20, "complete": False,
               "rows": rows, "failed": failed}
     print(f"copy ceiling {result['ceilings']['copy_GBps']:.0f} GB/s")
-    for batch, context, h, hk, sq in cases(args.quick, args.sq):
+    shapes = getattr(args, "shapes", None)  # --shapes: these, one query row each, instead of cases()
+    todo = [(*shape, 1) for shape in _sweep_shapes(shapes)] if shapes else cases(args.quick, args.sq)
+    for batch, context, h, hk, sq in todo:
         buffers, kv_bytes = _buffers(batch, context, hk, dtype)
         q = torch.randn(batch, sq, h, HEADDIM, device=DEVICE, dtype=dtype)
         seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
@@ -374,11 +376,13 @@ def _sweep_tiles(spec: str):
 def sweep(args) -> dict:
     """Device time (graph_us) of flashtile's contiguous and paged paths per shape under alternative
     tiles, split counts (the heuristic's count x factor) and merges (the combine fused into the split
-    kernel or a combine kernel): configs.decode_config and DECODE_FUSED_MAX_SPLITS replaced for the call."""
+    kernel, in two levels or one, or a combine kernel): configs.decode_config, DECODE_FUSED_MAX_SPLITS
+    and decode_merge_group replaced for the call."""
     from flashtile.ops import configs
+    from flashtile.ops._launch import next_pow2
 
     dtype = getattr(torch, args.dtype)
-    real, real_fused = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS
+    real, real_fused, real_group = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS, configs.decode_merge_group
     pages = [int(p) for p in args.sweep_pages.split(",")]
     factors = [float(f) for f in args.sweep_factors.split(",")]
     rows = []
@@ -394,7 +398,8 @@ def sweep(args) -> dict:
                 else:
                     configs.decode_config = (lambda r, d, dt, p, dev, t=tile:
                                              configs.BlockConfig(real(r, d, dt, p, dev).block_m, *t))
-                configs.DECODE_FUSED_MAX_SPLITS = 1 << 30 if combine == "fused" else 0
+                configs.DECODE_FUSED_MAX_SPLITS = 0 if combine == "kernel" else 1 << 30
+                configs.decode_merge_group = next_pow2 if combine == "fused1" else real_group
                 cfg = configs.decode_config(h // hk, HEADDIM, dtype, page, torch.device(DEVICE))
                 base = chosen_splits(batch, context, h, hk, dtype, page)
                 splits = max(1, round(base * factor))
@@ -425,7 +430,7 @@ def sweep(args) -> dict:
             del buffers
             torch.cuda.empty_cache()
     finally:
-        configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS = real, real_fused
+        configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS, configs.decode_merge_group = real, real_fused, real_group
     return {"env": harness.environment(), "dtype": args.dtype, "rows": rows}
 
 
@@ -547,6 +552,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="two seed shapes, the Llama shape, one sq shape only")
     p.add_argument("--sq", type=lambda s: [int(x) for x in s.split(",") if x], default=list(SQ),
                    help="query rows per sequence of the speculative-decoding rows (default 2,4,8,16; '' for none)")
+    p.add_argument("--shapes", default=None, help="batch x context [x h x hk], comma list, one query row each: "
+                   "these shapes instead of the seed, Llama and sq > 1 ones")
     p.add_argument("--sweep", action="store_true", help="tile / split / merge sweep into decode_sweep.json")
     p.add_argument("--sweep-shapes", default=SWEEP_SHAPES, help=f"batch x context [x h x hk], comma list "
                    f"(default {SWEEP_SHAPES})")
@@ -554,7 +561,8 @@ def main(argv=None) -> None:
     p.add_argument("--sweep-tiles", default=SWEEP_TILES,
                    help=f"block_n x warps x stages lists ('' = the shipped tiles; default {SWEEP_TILES})")
     p.add_argument("--sweep-factors", default="0.5,1,2,4", help="split counts: the heuristic's x these")
-    p.add_argument("--sweep-combine", default="fused,kernel", help="merges: fused (in the split kernel), kernel")
+    p.add_argument("--sweep-combine", default="fused,kernel",
+                   help="merges: fused (in the split kernel, two levels), fused1 (one level), kernel")
     p.add_argument("--sweep-out", default="decode_sweep.json", help="sweep result file name")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="write decode.json only (redraw later with --plot-only)")
