@@ -195,7 +195,7 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
                  HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
                  ROTARY_BY_ROW=False, DOT_PRECISION="ieee", EVEN_D=d == block_d, HAS_SEQLENS=True,
                  HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_ALIBI=False, FUSED_COMBINE=fused,
-                 MERGE_GROUP=configs.decode_merge_group(64), MERGE_UNROLL=configs.DECODE_MERGE_UNROLL,
+                 MERGE_UNROLL=configs.DECODE_MERGE_UNROLL,
                  HAS_SINK=False, APPEND=append, BLOCK_T=1, LAUNCH_COMBINE=launch_combine,
                  Sink=None, BatchIdx=None, LeftPad=None, Slopes=None, Cos=None, Sin=None)
     if not fused:

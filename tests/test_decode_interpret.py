@@ -271,12 +271,11 @@ def test_one_plan_runs_every_layer(page_size):
 
 
 @pytest.mark.parametrize("sq,h,hk,num_splits", [(1, 8, 2, 5), (9, 16, 2, 2), (2, 4, 4, 7), (1, 8, 2, 37)],
-                         ids=["gqa4", "two-m-blocks", "mha-sq2", "five-groups"])
+                         ids=["gqa4", "two-m-blocks", "mha-sq2", "many-splits"])
 def test_fused_merge_equals_the_combine_kernel(sq, h, hk, num_splits, monkeypatch):
-    """The fused merge (online, in the split kernel's last programs: groups of splits, then the
-    groups; 5 and 7 splits make two groups of 4, 37 five of 8, most of them empty) and the combine
-    kernel (every split of a row at once) agree to fp32 rounding, rows with no keys included; the
-    fused plan launches no combine."""
+    """The fused merge (online, one split at a time, in the split kernel's last program; of 37
+    splits most are empty) and the combine kernel (every split of a row at once) agree to fp32
+    rounding, rows with no keys included; the fused plan launches no combine."""
     b, d, capacity = 3, 32, 200
     cache = make_cache(b, capacity, hk, d, torch.float32, "cpu", None, b)[:2]
     q = torch.randn(b, sq, h, d)

@@ -41,7 +41,7 @@ def test_varlen_paged():
 
 
 @pytest.mark.parametrize("num_splits,combine", [(1, "fused"), (3, "fused"), (64, "fused"), (64, "kernel"), (0, None)],
-                         ids=["one", "fused", "fused-two-levels", "combine-kernel", "heuristic"])
+                         ids=["one", "fused", "fused-many-splits", "combine-kernel", "heuristic"])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_decode(num_splits, combine, page_size, dtype, monkeypatch):

@@ -49,11 +49,11 @@ def test_varlen_paged():
 
 @interpret
 @pytest.mark.parametrize("num_splits,combine", [(1, "fused"), (3, "fused"), (12, "fused"), (12, "kernel")],
-                         ids=["one", "fused-merge", "fused-two-levels", "combine-kernel"])
+                         ids=["one", "fused-merge", "fused-many-splits", "combine-kernel"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode(num_splits, combine, paged, monkeypatch):
-    """The sink joins once: with one split in the epilogue, else at the final merge (the fused
-    merge's second level with 12 splits in groups of 4, not the groups'; or the combine kernel)."""
+    """The sink joins once: with one split in the epilogue, else as the merge's starting state
+    (the fused merge's or the combine kernel's), not once per split."""
     monkeypatch.setattr(configs, "DECODE_FUSED_MAX_SPLITS", 1 << 30 if combine == "fused" else 0)
     check_kvcache(3, 1, 8, 2, 64, 96, 1, torch.float16, "cpu", page_size=16 if paged else None,
                   lengths=[0, 40, 90], num_splits=num_splits, causal=True, sink=True)

@@ -376,13 +376,11 @@ def _sweep_tiles(spec: str):
 def sweep(args) -> dict:
     """Device time (graph_us) of flashtile's contiguous and paged paths per shape under alternative
     tiles, split counts (the heuristic's count x factor) and merges (the combine fused into the split
-    kernel, in two levels or one, or a combine kernel): configs.decode_config, DECODE_FUSED_MAX_SPLITS
-    and decode_merge_group replaced for the call."""
+    kernel or a combine kernel): configs.decode_config and DECODE_FUSED_MAX_SPLITS replaced for the call."""
     from flashtile.ops import configs
-    from flashtile.ops._launch import next_pow2
 
     dtype = getattr(torch, args.dtype)
-    real, real_fused, real_group = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS, configs.decode_merge_group
+    real, real_fused = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS
     pages = [int(p) for p in args.sweep_pages.split(",")]
     factors = [float(f) for f in args.sweep_factors.split(",")]
     rows = []
@@ -398,8 +396,7 @@ def sweep(args) -> dict:
                 else:
                     configs.decode_config = (lambda r, d, dt, p, dev, t=tile:
                                              configs.BlockConfig(real(r, d, dt, p, dev).block_m, *t))
-                configs.DECODE_FUSED_MAX_SPLITS = 0 if combine == "kernel" else 1 << 30
-                configs.decode_merge_group = next_pow2 if combine == "fused1" else real_group
+                configs.DECODE_FUSED_MAX_SPLITS = 1 << 30 if combine == "fused" else 0
                 cfg = configs.decode_config(h // hk, HEADDIM, dtype, page, torch.device(DEVICE))
                 base = chosen_splits(batch, context, h, hk, dtype, page)
                 splits = max(1, round(base * factor))
@@ -430,7 +427,7 @@ def sweep(args) -> dict:
             del buffers
             torch.cuda.empty_cache()
     finally:
-        configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS, configs.decode_merge_group = real, real_fused, real_group
+        configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS = real, real_fused
     return {"env": harness.environment(), "dtype": args.dtype, "rows": rows}
 
 
@@ -561,8 +558,7 @@ def main(argv=None) -> None:
     p.add_argument("--sweep-tiles", default=SWEEP_TILES,
                    help=f"block_n x warps x stages lists ('' = the shipped tiles; default {SWEEP_TILES})")
     p.add_argument("--sweep-factors", default="0.5,1,2,4", help="split counts: the heuristic's x these")
-    p.add_argument("--sweep-combine", default="fused,kernel",
-                   help="merges: fused (in the split kernel, two levels), fused1 (one level), kernel")
+    p.add_argument("--sweep-combine", default="fused,kernel", help="merges: fused (in the split kernel), kernel")
     p.add_argument("--sweep-out", default="decode_sweep.json", help="sweep result file name")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="write decode.json only (redraw later with --plot-only)")

@@ -378,16 +378,6 @@ def decode_fuse_combine(num_splits: int) -> bool:
     return num_splits <= DECODE_FUSED_MAX_SPLITS
 
 
-def decode_merge_group(num_splits: int) -> int:
-    """Splits per group of the fused merge's first level (ops.decode._split_kernel): the smallest
-    power of two, and at least DECODE_MERGE_UNROLL, whose square covers num_splits, so that neither
-    level's merging program reads more than ~sqrt(num_splits) partial tiles in turn."""
-    group = DECODE_MERGE_UNROLL
-    while group * group < num_splits:
-        group *= 2
-    return group
-
-
 class CombineConfig(NamedTuple):
     block_s: int  # splits merged per step
     block_d: int  # output columns per program

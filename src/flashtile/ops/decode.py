@@ -154,8 +154,7 @@ def _split_kernel(
     HAS_SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    HAS_SINK: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr,
     APPEND: tl.constexpr, BLOCK_T: tl.constexpr, LAUNCH_COMBINE: tl.constexpr,
 ):
     """Attention of one (batch, kv head, M block) over one split of its keys, after appending
@@ -165,13 +164,9 @@ def _split_kernel(
     kv_head * GROUP + r % GROUP. Out/Lse are the partials (num_splits, b, sq, h, d) fp32 and
     (num_splits, b, h, sq), or with one split the final (b, sq, h, d) and (b, h, sq) (stride_os =
     stride_ls = 0): both get the normalised output and the natural-log LSE, -inf for empty rows.
-    With FUSED_COMBINE the splits' partials are merged into OutF (b, sq, h, d) and LseF (b, h, sq)
-    by this launch, in two levels (_merge_splits): the last program of each group of MERGE_GROUP
-    splits of a (batch, kv head, M block) to finish merges its group into the group's first
-    partial, and the last group to finish merges the groups (with one group the first level writes
-    the outputs). So the longest chain of merges is MERGE_GROUP + num_splits / MERGE_GROUP partial
-    tiles, not num_splits. Arrivals holds cdiv(num_splits, MERGE_GROUP) + 1 zeroed int32 counters
-    per (batch, kv head, M block) (the groups', then the groups' count), left zeroed. HAS_SINK:
+    With FUSED_COMBINE the last program of a (batch, kv head, M block) to finish its split merges
+    every split's partial into OutF (b, sq, h, d) and LseF (b, h, sq) (_merge_splits): Arrivals
+    holds one zeroed int32 counter per (batch, kv head, M block), and is left zeroed. HAS_SINK:
     Sink (h,) is added to the final rows (one split's, or the fused merge's), not to partials.
     APPEND: before its loop, each program writes the new rows its split reads into the cache
     (_append_rows), and the programs of split 0, M block 0 write every new row (one a window hides
@@ -329,59 +324,32 @@ def _split_kernel(
     tl.store(lse_tile + split.to(tl.int64) * stride_ls, lse, mask=row_ok)
 
     if FUSED_COMBINE:
-        # Two levels of arrival counting (a split-K semaphore, _last_to_arrive): the last program of
-        # each group of MERGE_GROUP splits merges the group, and with several groups stores the result
-        # as the group's first partial; the last group to do so merges the groups.
-        n_groups = tl.cdiv(num_splits, MERGE_GROUP)
-        group = split // MERGE_GROUP
-        first = group * MERGE_GROUP
-        in_group = tl.minimum(num_splits - first, MERGE_GROUP)
-        counters = Arrivals + (b * tl.num_programs(1) + tl.program_id(1)) * (n_groups + 1)
-        if _last_to_arrive(counters + group, in_group):
-            one_group = n_groups == 1
-            out, lse = _merge_splits(out_tile + first.to(tl.int64) * stride_os, lse_tile + first.to(tl.int64) * stride_ls,
-                                     stride_os, stride_ls, in_group, row_ok, row_mask, Sink, head, one_group,
-                                     BLOCK_M, BLOCK_D, MERGE_UNROLL, HAS_SINK)
-            final = one_group
-            if not one_group:
-                tl.store(out_tile + first.to(tl.int64) * stride_os, out, mask=row_mask)
-                tl.store(lse_tile + first.to(tl.int64) * stride_ls, lse, mask=row_ok)
-                final = _last_to_arrive(counters + n_groups, n_groups)
-                if final:
-                    out, lse = _merge_splits(out_tile, lse_tile, stride_os * MERGE_GROUP, stride_ls * MERGE_GROUP,
-                                             n_groups, row_ok, row_mask, Sink, head, final, BLOCK_M, BLOCK_D,
-                                             MERGE_UNROLL, HAS_SINK)
-            if final:
-                OutF = OutF + b.to(tl.int64) * stride_fb
-                tl.store(OutF + (i * stride_fm + head * stride_fh)[:, None] + offs_d[None, :] * stride_fd,
-                         out.to(OutF.dtype.element_ty), mask=row_mask)
-                tl.store(LseF + b.to(tl.int64) * stride_gb + head * stride_gh + i * stride_gm, lse, mask=row_ok)
+        # Arrival counting (a split-K semaphore): every thread's partial stores are issued before
+        # the barrier, and the counter's add releases them at GPU scope; the program that sees
+        # num_splits - 1 arrivals before its own acquires every other program's partials.
+        tl.debug_barrier()
+        arrivals = Arrivals + b * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(arrivals, 0)  # zero again for the next launch
+            out, lse = _merge_splits(out_tile, lse_tile, stride_os, stride_ls, num_splits, row_ok, row_mask,
+                                     Sink, head, BLOCK_M, BLOCK_D, MERGE_UNROLL, HAS_SINK)
+            OutF = OutF + b.to(tl.int64) * stride_fb
+            tl.store(OutF + (i * stride_fm + head * stride_fh)[:, None] + offs_d[None, :] * stride_fd,
+                     out.to(OutF.dtype.element_ty), mask=row_mask)
+            tl.store(LseF + b.to(tl.int64) * stride_gb + head * stride_gh + i * stride_gm, lse, mask=row_ok)
 
 
 @triton.jit
-def _last_to_arrive(counter, count):
-    """Whether this program is the last of `count` to arrive at `counter` (an int32 in global
-    memory, zero before the first arrival), which it then zeroes again for the next launch. Every
-    thread's stores are issued before the barrier, and the add releases them at GPU scope; the
-    program that sees count - 1 arrivals before its own acquires the others' stores."""
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
-    tl.store(counter, 0, mask=last)
-    return last
-
-
-@triton.jit
-def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask, Sink, heads, with_sink,
+def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask, Sink, heads,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, HAS_SINK: tl.constexpr):
     """(out (BLOCK_M, BLOCK_D), lse (BLOCK_M,)) of split 0's partial tile at OutP / LseP merged with
     the num_splits - 1 after it (strides stride_s / stride_ls): the combine's online merge on one
     program's tile of rows. UNROLL splits per step, so their loads are in flight together. The
     partials were written by other programs of this launch: loads bypass L1 (.cg), which is not
-    coherent across SMs. HAS_SINK and with_sink (the final merge, not a group's): the merge starts
-    from the sink Sink[heads] (out 0, lse = sink)."""
+    coherent across SMs. HAS_SINK: the merge starts from the sink Sink[heads] (out 0, lse = sink)."""
     if HAS_SINK:
-        m = tl.where(with_sink, tl.load(Sink + heads).to(tl.float32), float("-inf"))
-        l = tl.where(with_sink, tl.full([BLOCK_M], 1.0, dtype=tl.float32), 0.0)
+        m = tl.load(Sink + heads).to(tl.float32)
+        l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -520,8 +488,7 @@ class DecodeLaunch(NamedTuple):
     seqlen_new: int  # new keys each call appends (its k and v); 0: none
     split: Optional[Prepared]  # called with (q, k_cache, v_cache, k, v, out, lse, ...) and the first five's strides
     combine: Optional[Prepared]  # None with one split, or with the combine fused into the split kernel
-    fused: bool  # the split kernel's last programs merge the splits (arrival counters)
-    counters: int  # int32 arrival counters of the fused merge (0 unless fused)
+    fused: bool  # the split kernel's last program per row merges the splits (arrival counters)
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
     scratch: dict  # CUDA stream (None on CPU) -> (out_partial, lse_partial, arrivals or None) of its calls
     unread: dict  # "lse" -> where calls that do not return the LSE let the kernels write it
@@ -584,7 +551,6 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     sizes = (lse_offset + num_splits * b * h * sq, lse_offset)
     combine = None
     fused = num_splits > 1 and configs.decode_fuse_combine(num_splits)
-    merge_group = configs.decode_merge_group(num_splits)
     pdl = num_splits > 1 and not fused and configs.supports_pdl(device)
     if num_splits == 1:  # the split kernel writes out and lse directly: split stride 0
         o_strides, l_strides = (0, *out_strides), (0, *lse_strides)
@@ -612,11 +578,10 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
             HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
-            MERGE_GROUP=merge_group, MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
+            MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
             BLOCK_T=min(16, next_pow2(seqlen_new)), LAUNCH_COMBINE=pdl, **flags)
-    counters = b * hk * m_blocks * (cdiv(num_splits, merge_group) + 1) if fused else 0
-    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, combine, fused, counters, sizes,
-                        {}, {}, has_sink)
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, combine, fused, sizes, {}, {},
+                        has_sink)
 
 
 def _scratch(p: DecodeLaunch, device, stream) -> tuple:
@@ -627,7 +592,7 @@ def _scratch(p: DecodeLaunch, device, stream) -> tuple:
     scratch = p.scratch.get(stream)
     if scratch is None:
         buf = torch.empty(p.partial_sizes[0], dtype=torch.float32, device=device)
-        arrivals = torch.zeros(p.counters, dtype=torch.int32, device=device) if p.fused else None
+        arrivals = torch.zeros(p.out_shape[0] * p.split.grid[1], dtype=torch.int32, device=device) if p.fused else None
         scratch = p.scratch[stream] = (buf, buf[p.partial_sizes[1]:], arrivals)
     return scratch
 
