@@ -7,7 +7,8 @@ so a difference between the trees can be told from the run-to-run spread. The sh
 benchmark's (bf16, 16k tokens, heads x d = 2048, the prefill harness's do_bench medians). Prints one
 JSON line per process: [d, causal, seqlen, fwd TFLOP/s, bwd TFLOP/s] per shape. SHAPES replaces the
 default list: d:causal:seqlen,... (e.g. 128:1:2048,64:0:16384); a fourth field d:causal:seqlen:p
-times the shape with dropout_p = p (TFLOP/s of the same FLOPs, so ratios to p = 0 are time ratios).
+times the shape with dropout_p = p (TFLOP/s of the same FLOPs, so ratios to p = 0 are time ratios),
+a fifth d:causal:seqlen:p:c with softcap = c.
 """
 
 import json
@@ -21,22 +22,26 @@ SHAPES = [(128, True, 512), (128, True, 1024), (64, True, 16384), (64, True, 102
 def child(tag: str, shapes) -> None:
     import torch
 
+    import flashtile
     from flashtile.bench import prefill
 
     rows = []
-    for d, causal, s, p in shapes:
-        impl = prefill._with_dropout("flashtile", p)
+    for d, causal, s, p, cap in shapes:
+        def impl(q, k, v, causal, p=p, cap=cap):
+            return flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=causal, softcap=cap)
+
         b, h = 16384 // s, 2048 // d
         f = prefill.flops(b, h, s, d, causal)
         fwd, bwd, _, _ = prefill.measure(impl, b, s, h, d, causal, torch.bfloat16)
-        rows.append((d, causal, s, *([p] if p else []), round(f / fwd * 1e-9, 1), round(2.5 * f / bwd * 1e-9, 1)))
+        rows.append((d, causal, s, *([p] if p or cap else []), *([cap] if cap else []), round(f / fwd * 1e-9, 1),
+                     round(2.5 * f / bwd * 1e-9, 1)))
     print(tag, json.dumps(rows), flush=True)
 
 
 def main() -> None:
     if sys.argv[1] == "--child":
-        shapes = [(int(d), c == "1", int(s), float(p[0]) if p else 0.0)
-                  for d, c, s, *p in (x.split(":") for x in sys.argv[3].split(","))]
+        shapes = [(int(d), c == "1", int(s), float(extra[0]) if extra else 0.0, float(extra[1]) if extra[1:] else 0.0)
+                  for d, c, s, *extra in (x.split(":") for x in sys.argv[3].split(","))]
         return child(sys.argv[2], shapes)
     old, new = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2

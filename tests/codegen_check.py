@@ -113,9 +113,10 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
                           options=dict(num_warps=blocks[-2], num_stages=blocks[-1]))
 
 
-def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False):
+def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False,
+                           softcap: bool = False):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
-    packed batch without seqused_k; sink: an fp32 attention sink)."""
+    packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_forward_tiles(d)
@@ -124,7 +125,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
                  HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
-                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink)
+                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap)
     if not dropout:
         const["Rng"] = None
     if not varlen:
@@ -141,23 +142,23 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
             signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
         else:
             signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "Rng": "*i64", "qk_scale": "fp32",
-                            "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32"}.get(n, "i32")
+                            "softcap": "fp32", "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.hopper_forward_maxnreg(const["CONSUMERS"])))
 
 
-def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False):
+def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
-    packed batch without seqused_k)."""
+    packed batch without seqused_k; softcap: capped scores)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = configs.hopper_backward_tiles(d, dropout)
+    cfg = configs.hopper_backward_tiles(d, dropout, softcap)
     kernel = backward._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
-                 HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None)
+                 HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap)
     if not dropout:
         const["Rng"] = None
     if not varlen:
@@ -175,7 +176,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
         elif n in ("lse_desc", "delta_desc"):
             signature[n] = f"tensordesc<fp32[{cfg.block_m}],{backward.ROW_LAYOUT!r}>"
         else:
-            signature[n] = ("fp32" if n in ("qk_scale", "softmax_scale", "dropout_scale") else
+            signature[n] = ("fp32" if n in ("qk_scale", "softcap", "softmax_scale", "dropout_scale") else
                             "*i64" if n == "Rng" else "*i32" if n in ("CuSeqQ", "CuSeqK") else
                             "*bf16" if n in ("DK", "DV") else "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
@@ -307,9 +308,10 @@ if __name__ == "__main__":
     if argv[0] in ("forward-sm90", "backward-sm90"):
         options = ("--causal" in argv, "--dropout" in argv, "--varlen" in argv)
         if argv[0] == "forward-sm90":
-            compiled = compile_hopper_forward(int(argv[1]), *options, sink="--sink" in argv)
+            compiled = compile_hopper_forward(int(argv[1]), *options, sink="--sink" in argv,
+                                              softcap="--softcap" in argv)
         else:
-            compiled = compile_hopper_backward(int(argv[1]), *options)
+            compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv)
         print(json.dumps(ptxas_report(compiled)))
         sys.exit(0)
     flags = {}

@@ -86,6 +86,30 @@ def test_prefill_dropout_section_rows(tmp_path, monkeypatch):
     assert "| 0.1 | flashtile | 64 | no | 1024 | 1.250x |" in table
 
 
+def test_prefill_softcap_section_rows(tmp_path, monkeypatch):
+    """Capped rows of flashtile, its Triton kernels and FlexAttention (FA4 skipped when it does not
+    import), each checked against the Triton kernels, then flashtile without a cap; the table's
+    ratios."""
+    times = {("flashtile", 50.0): (1.0, 2.0), ("flashtile-triton", 50.0): (2.0, 4.0), ("flex", 50.0): (3.0, 6.0),
+             ("flashtile", 0.0): (0.8, 1.6)}
+
+    def fake_measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
+        assert (ref_out is None) == (fn[1] == 0)
+        return (*times[fn], 10.0, 0.0)
+
+    monkeypatch.setattr(prefill, "_fa4", lambda: None)
+    monkeypatch.setattr(prefill, "measure", fake_measure)
+    monkeypatch.setattr(prefill, "_with_softcap", lambda name, cap, fa4=None: (name, cap))
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    result = prefill.run(_prefill_args(sections=["softcap"], softcap=50.0, softcap_headdims=[128],
+                                       softcap_seqlens=[4096]), str(tmp_path / "prefill.json"))
+    rows = result["rows"]
+    assert [(r["impl"], r["softcap"]) for r in rows[:4]] == list(times)
+    assert len(rows) == 8 and {r["section"] for r in rows} == {"softcap"}
+    table = "\n".join(prefill_report._section_summary(result))
+    assert "| 50.0 | 128 | no | 4096 | 137 / 69 / 46 | 172 / 86 / 57 | 2.00x faster | 1.250x |" in table, table
+
+
 def test_varlen_lengths_and_interpolation():
     lengths = prefill.varlen_lengths(16384, 128, 4096)
     assert sum(lengths) == 16384 and all(1 <= n <= 4096 for n in lengths) and min(lengths[:-1]) >= 128

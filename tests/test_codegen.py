@@ -102,6 +102,24 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kernel", ["forward-sm90", "backward-sm90"])
+def test_hopper_kernels_compile_with_softcap(kernel, d):
+    """HAS_SOFTCAP in both Hopper kernels (alone, causal, with dropout, packed): asynchronous
+    wgmmas, the register split and shared memory of the kernels without it; with the flag off the
+    SASS of both is the one before the flag (NOTES.md "Softcap on the Hopper kernels"). Spills: the
+    forward within its dense bound; the backward at d=128 up to 416 bytes (the cap's derivative,
+    32 registers per thread from the exponentials to dV's operand, beside dK, dV and the dP^T in
+    flight), none at d=64, whose softcap steps take 64-row Q blocks (1512 bytes with 128 rows)."""
+    for extra in ([], ["--causal"], ["--causal", "--dropout"], ["--causal", "--varlen"]):
+        report = memory_ops(kernel, d, "--softcap", *extra)
+        bound = {"forward-sm90": {64: 24, 128: 208, 256: 8}, "backward-sm90": {64: 0, 128: 416, 256: 16}}[kernel][d]
+        assert report["spill_bytes"] <= bound, (extra, report)
+        assert not report["wgmma_serialised"], (extra, report)
+        assert {24, 160 if (kernel, d) == ("forward-sm90", 64) else 240} <= set(report["setmaxnreg"]), report
+        assert report["shared_bytes"] <= 227 * 1024, report
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("kernel", ["forward-sm90", "backward-sm90"])
 def test_hopper_kernels_compile_for_packed_batches(kernel, d):
     """IS_VARLEN in both Hopper kernels (causal, and with dropout): asynchronous wgmmas, the same
     register split and shared memory as the dense kernels. The dense kernels' SASS does not change

@@ -40,23 +40,23 @@ def qkv(b=2, s=256, h=4, d=128):
 
 def test_supports_plain_strided_layouts():
     q, k, v = qkv()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, None)
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, None, None)
     bhsd = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, 0.0, None, None)
+    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, None, None)
 
 
 def test_refuses_what_tma_cannot_read():
     q, k, v = qkv()
     out = torch.empty_like(q)
     shared_k = k[:1].expand_as(k)  # stride 0 over the batch
-    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, 0.0, None, None)
+    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, None, None)
     base = torch.empty(q.numel() + 1, dtype=q.dtype)
     shifted = base[1:].view(q.shape)  # 2 bytes past 16-byte alignment
     assert shifted.data_ptr() % 16 != 0
-    assert not forward._hopper_supports(shifted, k, v, out, 1.0, 0.0, None, None)
+    assert not forward._hopper_supports(shifted, k, v, out, 1.0, None, None)
     odd = torch.randn(2, 256, 4, 130, dtype=torch.bfloat16)[..., :128]  # head stride of 260 bytes
-    assert not forward._hopper_supports(q, odd, v, out, 1.0, 0.0, None, None)
-    assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, 0.0, None,
+    assert not forward._hopper_supports(q, odd, v, out, 1.0, None, None)
+    assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, None,
                                         None)
 
 
@@ -73,19 +73,19 @@ def packed(paged: bool = False):
     return q, k, v, _checks.check_varlen(q, k, v, cu, cu, 144, 144, None, None)
 
 
-@pytest.mark.parametrize("modifier", ["negative scale", "softcap", "alibi", "paged varlen"])
+@pytest.mark.parametrize("modifier", ["negative scale", "alibi", "paged varlen"])
 def test_refuses_score_modifiers(modifier):
-    """The score modifiers it lacks, a page table (packed batches without one it takes), and a
-    negative scale: its row max is taken on the raw products and scaled after, which a negative
-    scale would turn into the row min. (Dropout and sinks it takes: test_hopper_cuda.py's
-    test_dropout and test_sink.)"""
+    """ALiBi, a page table (packed batches without one it takes), and a negative scale: its row
+    max is taken on the raw products (or on capped scores, which rise with them) and scaled
+    after, which a negative scale would turn into the row min. (Dropout, softcap and sinks it
+    takes: test_hopper_cuda.py's test_dropout, test_softcap and test_sink.)"""
     q, k, v = qkv()
-    args = dict(qk_scale=1.0, softcap=0.0, alibi_slopes=None, varlen=None)
+    args = dict(qk_scale=1.0, alibi_slopes=None, varlen=None)
     if modifier == "paged varlen":
         q, k, v, varlen = packed(paged=True)
         args["varlen"] = varlen
-    args.update({"negative scale": dict(qk_scale=-0.1), "softcap": dict(softcap=30.0),
-                 "alibi": dict(alibi_slopes=torch.rand(4)), "paged varlen": {}}[modifier])
+    args.update({"negative scale": dict(qk_scale=-0.1), "alibi": dict(alibi_slopes=torch.rand(4)),
+                 "paged varlen": {}}[modifier])
     assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
 
 
@@ -96,9 +96,9 @@ def test_supports_packed_batches():
     from flashtile.ops import backward
 
     q, k, v, varlen = packed()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, 0.0, None, varlen)
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, None, varlen)
     assert backward._hopper_supports(q, k, v, torch.randn_like(q), torch.empty_like(k), torch.empty_like(v), 0.1,
-                                     0.0, None, varlen)
+                                     None, varlen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +114,10 @@ def test_backward_dispatch(sm90, monkeypatch):
             assert configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024) == configs.hopper_backward_tiles(d)
             assert (configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024, dropout=True)
                     == configs.hopper_backward_tiles(d, dropout=True))
+            assert (configs.hopper_backward_config(d, dtype, CUDA, seqlen_q=1024, softcap=True)
+                    == configs.hopper_backward_tiles(d, softcap=True))
+    # the cap's derivative beside a 128-row S^T would spill: d=64 takes 64-row blocks with softcap
+    assert configs.hopper_backward_tiles(64).block_m == 128 and configs.hopper_backward_tiles(64, softcap=True).block_m == 64
     assert configs.hopper_backward_defer_dq(64) and not configs.hopper_backward_defer_dq(128)
     assert configs.hopper_backward_split_d(256) and not configs.hopper_backward_split_d(128)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
@@ -125,14 +129,13 @@ def test_backward_dispatch(sm90, monkeypatch):
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=4096) is None
 
 
-@pytest.mark.parametrize("refused", ["none", "negative scale", "softcap", "alibi", "paged varlen", "expanded k",
-                                     "misaligned dk"])
+@pytest.mark.parametrize("refused", ["none", "negative scale", "alibi", "paged varlen", "expanded k", "misaligned dk"])
 def test_backward_supports(refused):
     from flashtile.ops import backward
 
     q, k, v = qkv()
     dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
-    args = dict(softmax_scale=0.1, softcap=0.0, alibi_slopes=None, varlen=None)
+    args = dict(softmax_scale=0.1, alibi_slopes=None, varlen=None)
     if refused == "expanded k":
         k = k[:1].expand_as(k)
     elif refused == "misaligned dk":
@@ -141,8 +144,7 @@ def test_backward_supports(refused):
         q, k, v, args["varlen"] = packed(paged=True)
         dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
     elif refused != "none":
-        args.update({"negative scale": dict(softmax_scale=-0.1), "softcap": dict(softcap=30.0),
-                     "alibi": dict(alibi_slopes=torch.rand(4))}[refused])
+        args.update({"negative scale": dict(softmax_scale=-0.1), "alibi": dict(alibi_slopes=torch.rand(4))}[refused])
     assert backward._hopper_supports(q, k, v, dout, dk, dv, **args) == (refused == "none")
 
 

@@ -148,7 +148,7 @@ def hopper_backward_launches(monkeypatch):
     calls = []
     launch = backward._launch_sm90
     monkeypatch.setattr(configs, "hopper_backward_config",
-                        lambda d, *a, dropout=False, **kw: configs.hopper_backward_tiles(d, dropout))
+                        lambda d, *a, dropout=False, softcap=False, **kw: configs.hopper_backward_tiles(d, dropout, softcap))
     monkeypatch.setattr(backward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 
@@ -292,6 +292,39 @@ def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, d):
     assert hopper_backward_launches
     for a, b in zip(hopper_grads, triton_grads):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+SOFTCAP_SEQLENS = [(113, 203), (256, 512), (1023, 1024), (1024, 1023), (300, 17), (2048, 2048)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", SOFTCAP_SEQLENS, ids=[f"{a}x{b}" for a, b in SOFTCAP_SEQLENS])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16),
+                                     (128, torch.float16)], ids=["d64-fp16", "d128-bf16", "d256-bf16", "d128-fp16"])
+def test_softcap(hopper_launches, hopper_backward_launches, d, sq, sk, dtype, causal):
+    """Softcap (Gemma-2, Grok) in both Hopper kernels: scores softcap * tanh(S / softcap) before the
+    max, dS through the cap's derivative; output, LSE and dQ/dK/dV against the float64 oracle, 2x
+    rule, GQA. A cap of 5 bends every score (scale * |q.k| reaches ~4 here), 30 only the large."""
+    for softcap in (5.0, 30.0):
+        check_prefill(2, sq, sk, 4, 2, d, dtype, "cuda", causal=causal, softcap=softcap)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize("case", [dict(dropout_p=0.2), dict(window=(100, 20)), dict(sink=True)],
+                         ids=["dropout", "window", "sink"])
+def test_softcap_with(hopper_launches, hopper_backward_launches, d, case):
+    """Softcap beside the other flags: dropout (whose dS and the cap's derivative meet), a window
+    and an attention sink."""
+    check_prefill(2, 700, 900, 4, 2, d, torch.bfloat16, "cuda", causal="window" not in case, softcap=20.0, **case)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_softcap_varlen(hopper_launches, hopper_backward_launches, d):
+    check_varlen([300, 0, 17, 1024, 129], [250, 40, 17, 1024, 300], 4, 2, d, torch.bfloat16, "cuda", causal=True,
+                 softcap=10.0)
+    assert hopper_launches and hopper_backward_launches
 
 
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])

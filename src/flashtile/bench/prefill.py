@@ -23,7 +23,9 @@ Sections (`--sections`, default all): `dense` (the grid above), `varlen` (a pack
 lengths against the same tokens padded and run dense, and against the ideal: each sequence at the
 dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flashtile and SDPA-flash),
 `sink` (an attention sink, learnable_sink, against none: flashtile, and FlashAttention-4 when
-`flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine). A run of
+`flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine), `softcap`
+(Gemma-2's capped logits, softcap * tanh(s / softcap): flashtile, flashtile's Triton kernels,
+FA4 when it imports and FlexAttention with a tanh score_mod, and flashtile without a cap). A run of
 some sections keeps the other sections' rows of an existing prefill.json (with the environment
 they were measured in, under "envs").
 """
@@ -310,6 +312,76 @@ def run_dropout(args, dtype, result, path):
                         harness.write_result(path, result, quiet=True)
 
 
+def _with_softcap(name: str, cap: float, fa4=None):
+    """(q, k, v, causal) -> out of a peer with its logits capped: cap * tanh(s / cap) (cap 0: none)."""
+    import flashtile
+
+    if name in ("flashtile", "flashtile-triton"):  # the second under _triton_only (PEER_CONTEXTS)
+        return lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal, softcap=cap)
+    if name == "fa4":
+        return lambda q, k, v, causal: fa4(q, k, v, causal=causal, softcap=cap)[0]
+    import torch._functorch.config
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._functorch.config.donated_buffer = False  # as _flex: the backward is timed over one graph
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks = {}
+
+    def capped(score, b, h, i, j):
+        return cap * torch.tanh(score / cap)
+
+    def run(q, k, v, causal):
+        key = (q.shape[1], k.shape[1])
+        if causal and key not in masks:
+            masks[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, *key, device=q.device)
+        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=capped,
+                       block_mask=masks[key] if causal else None)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def run_softcap(args, dtype, result, path):
+    """Forward and backward with softcap = args.softcap at args.softcap_headdims x args.softcap_seqlens,
+    causal and not: flashtile, its Triton kernels (flashtile-triton, the path softcap took before the
+    Hopper kernels had it), FA4 when it imports, FlexAttention (at args.flex_headdims); then
+    flashtile without a cap, for the cap's cost. Each capped output is checked against the Triton kernels'."""
+    fa4 = _fa4()
+    names = ["flashtile", "flashtile-triton"] + (["fa4"] if fa4 is not None else []) + ["flex"]
+    if fa4 is None:
+        print("softcap: flash_attn.cute does not import; FlashAttention-4 rows skipped")
+
+    def triton_ref(q, k, v, causal):
+        with _triton_only():
+            return _with_softcap("flashtile", args.softcap)(q, k, v, causal)
+
+    for d in args.softcap_headdims:
+        for causal in (False, True):
+            for seqlen in args.softcap_seqlens:
+                batch, nheads = args.tokens // seqlen, 2048 // d
+                f = flops(batch, nheads, seqlen, d, causal)
+                for name, cap in [(n, args.softcap) for n in names] + [("flashtile", 0.0)]:
+                    if name == "flex" and d not in args.flex_headdims:  # a compile per shape: as the dense grid
+                        continue
+                    row = dict(section="softcap", impl=name, softcap=cap, d=d, causal=causal, seqlen=seqlen,
+                               batch=batch, nheads=nheads)
+                    try:
+                        with PEER_CONTEXTS.get(name, contextlib.nullcontext)():
+                            fwd, bwd, peak, err = measure(_with_softcap(name, cap, fa4), batch, seqlen, nheads, d,
+                                                          causal, dtype, triton_ref if cap else None)
+                    except Exception as e:  # a peer without a kernel for this case: record why
+                        row["error"] = repr(e)[:200]
+                        print(f"softcap {name} d={d} causal={causal} s={seqlen}: {row['error'][:120]}")
+                    else:
+                        row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=f / fwd * 1e-9, bwd_tflops=2.5 * f / bwd * 1e-9,
+                                   peak_mem_mb=peak, max_err_vs_triton=err)
+                        print(f"softcap {cap:4.1f} {name:16s} d={d:3d} causal={causal:d} s={seqlen:5d}  fwd "
+                              f"{row['fwd_tflops']:6.1f}  bwd {row['bwd_tflops']:6.1f} TFLOP/s  err {err}")
+                    result["rows"].append(row)
+                    if path:
+                        harness.write_result(path, result, quiet=True)
+
+
 def _kept(path: str | None, sections) -> tuple[list, dict]:
     """(rows, envs) of an existing result file's other sections: rows from the sections not run
     now, and the environment each of those sections was measured in."""
@@ -340,6 +412,8 @@ def run(args, path: str | None = None) -> dict:
         run_dropout(args, dtype, result, path)
     if "sink" in args.sections:
         run_sink(args, dtype, result, path)
+    if "softcap" in args.sections:
+        run_softcap(args, dtype, result, path)
     if "dense" in args.sections:
         run_dense(args, dtype, result, path)
     result["complete"] = True
@@ -461,12 +535,16 @@ def main(argv=None) -> None:
     p.add_argument("--flex-headdims", type=_ints, default=[128],
                    help="FlexAttention compiles per shape; limit it to these head dims")
     p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
-    p.add_argument("--sections", type=lambda s: s.split(","), default=["dense", "varlen", "dropout", "sink"])
+    p.add_argument("--sections", type=lambda s: s.split(","),
+                   default=["dense", "varlen", "dropout", "sink", "softcap"])
     p.add_argument("--varlen-lengths", type=_ints, default=[128, 4096], help="lo,hi of the varlen section's lengths")
     p.add_argument("--dropout-p", type=float, default=0.1)
     p.add_argument("--dropout-seqlens", type=_ints, default=[4096])
     p.add_argument("--sink-headdims", type=_ints, default=[64, 128])
     p.add_argument("--sink-seqlens", type=_ints, default=[4096, 16384])
+    p.add_argument("--softcap", type=float, default=50.0, help="the softcap section's cap (Gemma-2's)")
+    p.add_argument("--softcap-headdims", type=_ints, default=[128, 256])
+    p.add_argument("--softcap-seqlens", type=_ints, default=[4096])
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true",
                    help="write prefill.json and prefill.md only (redraw later with --plot-only)")

@@ -45,7 +45,7 @@ from flashtile.ops._launch import cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
                                    dropout_keep_sm90, dropout_seed, dropout_words_sm90, head_chunked_order,
                                    head_dim_mask, in_window, kernel_scale, load_tile_pair, lse_row_base, scores_log2,
-                                   seq_bounds, visible)
+                                   seq_bounds, tanh, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
@@ -492,11 +492,11 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         return dq, dk, dv
 
     hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq,
-                                                                        dropout=has_dropout)
-    if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes,
-                                               varlen) and (not accumulate_dq or tma_ok(dq)):
+                                                                        dropout=has_dropout, softcap=softcap > 0)
+    if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, alibi_slopes, varlen) \
+            and (not accumulate_dq or tma_ok(dq)):
         _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
-                     dropout, varlen)
+                     dropout, varlen, softcap)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -616,18 +616,20 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 @gluon.jit
 def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk, group,
-                      start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softmax_scale, Rng,
-                      nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr,
-                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr):
+                      start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap,
+                      softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
+                      stride_dvh, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr,
+                      HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
     its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
     dQ product ahead of its own S^T, so that product's trip out (shared memory, TMA reduce-add)
     runs under S^T; no product is left in flight from one step to the next (ptxas would serialise
     every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ.
-    HAS_DROPOUT: P^T and dP^T see the forward's keep-mask (made while S^T is computed), dV is
-    scaled by 1 / (1 - p) at the end, as in the Triton programs. IS_VARLEN: dK and dV leave
+    HAS_SOFTCAP: the scores are softcap * tanh(S qk_scale) (softcap in the log2 domain) and dS
+    takes the cap's derivative, as in the Triton programs. HAS_DROPOUT: P^T and dP^T see the
+    forward's keep-mask (made while S^T is computed), dV is scaled by 1 / (1 - p) at the end, as
+    in the Triton programs. IS_VARLEN: dK and dV leave
     through pointers, masked at the sequence's last key (a TMA store of the block would write its
     zeros over the next sequence's first keys); tb, q0, k0 as _bwd_sm90_load's."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
@@ -662,22 +664,23 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
             dk, dv = _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                           q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
                                           n_m,
-                                          full_lo, full_hi, sk, diag_offset, left, right, qk_scale, start_n, dq_zero,
-                                          drop, HAS_LEFT, HAS_RIGHT, HAS_DROPOUT)
+                                          full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, start_n,
+                                          dq_zero, drop, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_DROPOUT)
     elif n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
             dk, dv = _bwd_sm90_step(0, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                     dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
                                     n_m,
-                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, key0, offs_n, s_zero,
-                                    dq_zero, drop, HAS_LEFT, HAS_RIGHT, True, False, HAS_DROPOUT)
+                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
+                                    s_zero, dq_zero, drop, HAS_LEFT, HAS_RIGHT, True, False, HAS_SOFTCAP, HAS_DROPOUT)
         for i in range(1 if DEFER_DQ else 0, n_steps):
             dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                     dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
                                     n_m,
-                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, key0, offs_n, s_zero,
-                                    dq_zero, drop, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_DROPOUT)
+                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
+                                    s_zero, dq_zero, drop, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_SOFTCAP,
+                                    HAS_DROPOUT)
         if DEFER_DQ:
             last = n_steps - 1
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
@@ -721,9 +724,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
 @gluon.jit
 def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, q_ready,
                    do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
-                   diag_offset, left, right, qk_scale, key0, offs_n, s_zero, dq_zero, drop, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr,
-                   HAS_DROPOUT: gl.constexpr):
+                   diag_offset, left, right, qk_scale, softcap, key0, offs_n, s_zero, dq_zero, drop,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr,
+                   HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
     and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
     step i-1's dQ first (HAS_PREV); dQ goes to batch tb, rows from q0 (_bwd_sm90_load's). Returns
@@ -757,8 +760,12 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
         seed, bh0, threshold, dropout_scale = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
     s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
+    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2
+        t = tanh(s_t * qk_scale)
+        s_t = t * softcap
+        dcap = 1.0 - t * t
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
-    p_t = gl.exp2(s_t * qk_scale - lse_bufs.index(stage).load(row_layout)[None, :])
+    p_t = gl.exp2(s_t * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[None, :])
     if (start_m < full_lo) | (start_m >= full_hi):
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
@@ -769,6 +776,8 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     else:
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+    if HAS_SOFTCAP:  # from here on P only makes dS: P times the cap's derivative (>= 0, P's sign stays)
+        p_t = p_t * dcap
     dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
     delta = delta_bufs.index(stage).load(row_layout)[None, :]
     if HAS_DROPOUT:  # dS = P (keep dP / (1 - p) - D) = P' h + |P'| (h - D), h = dP / (2 (1 - p)), P' = +-P
@@ -811,8 +820,8 @@ def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero):
 @gluon.jit
 def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, q_ready,
                          do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
-                         diag_offset, left, right, qk_scale, start_n, dq_zero, drop, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+                         diag_offset, left, right, qk_scale, softcap, start_n, dq_zero, drop, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Step i with SPLIT_D (FA3's schedule at d=256). The warpgroups split S = Q K^T and dP = dO V^T
     by keys, 32 each, and leave their columns of P and dS in shared memory; once both have, each
     takes dV += P^T dO, dK += dS^T Q and dQ = dS K in its half of the head dim, all operands from
@@ -849,8 +858,12 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
         seed, bh0, threshold, dropout_scale = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2
+        s = tanh(s * qk_scale)
+        dcap = 1.0 - s * s
+        s = s * softcap
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
-    p = gl.exp2(s * qk_scale - lse_bufs.index(stage).load(row_layout)[:, None])
+    p = gl.exp2(s * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[:, None])
     if (start_m < full_lo) | (start_m >= full_hi):
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         offs_n = start_n + half * OWN_N + gl.arange(0, OWN_N, layout=gl.SliceLayout(0, s_layout))
@@ -861,6 +874,8 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
         keep = dropout_keep_sm90(words, threshold, s_layout, BLOCK_M, OWN_N, False)
         dp = gl.where(keep, dp * dropout_scale, 0.0)
     ds = p * (dp - delta_bufs.index(stage).load(row_layout)[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * dcap
     if HAS_DROPOUT:  # dV's operand
         p = gl.where(keep, p, 0.0)
     # P and dS buffers alternate: a step's are overwritten two steps later, once both warpgroups
@@ -912,9 +927,10 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
                      CuSeqQ, CuSeqK, SeqUsedK, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale, threshold,
-                     dropout_scale, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     dropout_scale, total_q, total_k, softcap, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      NUM_STAGES: gl.constexpr, DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr,
-                     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+                     HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                     HAS_SEQUSED: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch); key block 0 first, the longest with a causal mask.
     A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
     share (configs.hopper_backward_split_d). rows_pad: rows per head of the LSE and delta buffers
@@ -981,13 +997,15 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, tb, q0, k0,
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh,
-                             stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_DROPOUT, IS_VARLEN)),
+                             softcap, softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
+                             stride_dkh, stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
+                             HAS_DROPOUT, IS_VARLEN)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, tb, q0, k0,
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
-                             softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh,
-                             stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_DROPOUT, IS_VARLEN)),
+                             softcap, softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
+                             stride_dkh, stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
+                             HAS_DROPOUT, IS_VARLEN)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
                           rows_pad, start_n, lo, n_m)),
@@ -997,11 +1015,11 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, softcap, alibi_slopes, varlen) -> bool:
+def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, alibi_slopes, varlen) -> bool:
     """Can _bwd_kernel_sm90 take this call? As the Hopper forward (ops.forward._hopper_supports):
-    BSHD and packed batches (dropout included) with a positive scale and no score modifier, whose
-    inputs and dK/dV TMA can address."""
-    if softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None:
+    BSHD and packed batches (dropout and softcap included) with a positive scale and no ALiBi,
+    whose inputs and dK/dV TMA can address."""
+    if softmax_scale <= 0 or alibi_slopes is not None:
         return False
     if varlen is not None and varlen.block_table is not None:
         return False
@@ -1020,10 +1038,11 @@ def sm90_boxes(cfg, d: int) -> dict:
 
 
 def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq,
-                 dropout=None, varlen=None):
+                 dropout=None, varlen=None, softcap=0.0):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
     accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled; dropout and
-    varlen (a packed batch) as attention_backward's; delta (shaped like lse) gets delta when given.
+    varlen (a packed batch) and softcap as attention_backward's; delta (shaped like lse) gets delta
+    when given.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     h, d = q.shape[-2:]
     hk = k.shape[-2]
@@ -1055,10 +1074,10 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
         box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
         box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs,
         h, hk, sq, sk, left or 0, right or 0, rows_pad,
-        kernel_scale(softmax_scale, 0.0)[0], softmax_scale, threshold, dropout_scale, total_q, total_k,
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+        kernel_scale(softmax_scale, softcap)[0], softmax_scale, threshold, dropout_scale, total_q, total_k,
+        softcap * LOG2E.value, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
-        HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], num_warps=cfg.num_warps,
+        HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], num_warps=cfg.num_warps,
         maxnreg=HOPPER_MAXNREG)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

@@ -119,7 +119,7 @@ def hopper_forward_persistent(d: int) -> bool:
 
 
 def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seqlen_q: int,
-                           dropout: bool = False) -> BlockConfig | None:
+                           dropout: bool = False, softcap: bool = False) -> BlockConfig | None:
     """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs).
 
     block_m query rows per step, block_n keys per program in two halves, one per consumer
@@ -136,10 +136,10 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
         return None
     if torch.cuda.get_device_capability(device) != (9, 0) or seqlen_q < 128:
         return None
-    return hopper_backward_tiles(d, dropout)
+    return hopper_backward_tiles(d, dropout, softcap)
 
 
-def hopper_backward_tiles(d: int, dropout: bool = False) -> BlockConfig:
+def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) -> BlockConfig:
     """The Hopper backward's tiles at head dim d (64, 128 or 256): 128 keys per program at d <= 128;
     Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its
     240 registers) and of 128 rows at d=64, where half as many steps carry the per-step waits:
@@ -150,10 +150,11 @@ def hopper_backward_tiles(d: int, dropout: bool = False) -> BlockConfig:
     SM's 227 KB, so dQ leaves through the Q and dO buffers. With dropout d=64 takes 64-row blocks
     too: the Philox calls of a 128-row block spill 484 bytes, and at 4k the backward measured
     4.72 / 2.71 ms (non-causal / causal) against 5.43 / 4.18 with 128 rows (NOTES.md "Dropout in
-    the Hopper kernels")."""
+    the Hopper kernels"). So does softcap, whose cap derivative beside a 128-row S^T spills
+    1512 bytes (0 with 64 rows)."""
     if d == 256:
         return BlockConfig(64, 64, 4, 2)
-    return BlockConfig(128, 128, 4, 2) if d == 64 and not dropout else BlockConfig(64, 128, 4, 2)
+    return BlockConfig(128, 128, 4, 2) if d == 64 and not (dropout or softcap) else BlockConfig(64, 128, 4, 2)
 
 
 def hopper_backward_split_d(d: int) -> bool:

@@ -33,10 +33,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, current_stream, launch
-from flashtile.ops._common import (LN2, alibi_strides, block_range, dot_precision, dropout_keep,
+from flashtile.ops._common import (LN2, LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
                                    dropout_keep_sm90, dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask,
                                    kernel_scale, load_tile_pair, lse_row_base, page_of, q_block_of, q_block_program,
-                                   scores_log2, seq_bounds, visible)
+                                   scores_log2, seq_bounds, tanh, visible)
 
 
 @triton.jit
@@ -249,8 +249,8 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     if b * sq == 0:
         return out, lse
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq)
-    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen):
-        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink)
+    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, alibi_slopes, varlen):
+        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap)
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
@@ -419,28 +419,34 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
 
 @gluon.jit
 def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, left, right,
-                     qk_scale, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     IN_FLIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                     HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                     qk_scale, softcap, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     IN_FLIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                     ROWSUM_MMA: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
-    caller rescales and adds to, and comes back as it is. HAS_DROPOUT: the block's Philox calls
-    (head bh) are made before the wait, while S is computed; l sums P before dropout, and the
-    returned p (P V's operand) has the dropped scores zeroed."""
+    caller rescales and adds to, and comes back as it is. HAS_SOFTCAP: the scores are
+    softcap * tanh(S * qk_scale) (scores_log2's; qk_scale = softmax_scale / softcap, here softcap
+    in the log2 domain). HAS_DROPOUT: the block's Philox calls (head bh) are made before the wait,
+    while S is computed; l sums P before dropout, and the returned p (P V's operand) has the
+    dropped scores zeroed."""
     if HAS_DROPOUT:
         words = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
     s_layout: gl.constexpr = qk.type.layout
+    if HAS_SOFTCAP:  # capped before the max: a cap is no scale
+        qk = tanh(qk * qk_scale) * softcap
     if (start_n < full_lo) | (start_n >= full_hi):
         offs_m = start_m + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
         offs_n = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
         ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
         qk = gl.where(ok, qk, float("-inf"))
-    # the max is taken on raw products and scaled after (qk_scale > 0), so exp2's argument is one FMA
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    # without a cap the max is taken on raw products and scaled after (qk_scale > 0), so exp2's
+    # argument is one FMA
+    scale = 1.0 if HAS_SOFTCAP else qk_scale
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * scale)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
-    p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    p = gl.exp2(qk * scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i if ROWSUM_MMA else l_i * alpha + gl.sum(p, 1)
     if HAS_DROPOUT:
@@ -451,13 +457,15 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 @gluon.jit
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                       tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                      qk_scale, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ, CuSeqK,
-                      SeqUsedK, total_q, total_k, Sink, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                      IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr):
+                      qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ,
+                      CuSeqK, SeqUsedK, total_q, total_k, Sink, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                      ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                      HAS_SINK: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
-    while the loader brings the next tile's Q and first K/V blocks. HAS_DROPOUT: as the Triton
+    while the loader brings the next tile's Q and first K/V blocks. HAS_SOFTCAP: the scores are
+    capped (_fwd_sm90_scores; softcap in the log2 domain). HAS_DROPOUT: as the Triton
     kernel, P V sees the keep-mask and l does not; a block's Philox calls are made while its S
     is computed. ROWSUM_MMA (three consumers): l is an [HALF_M, 8] accumulator of P times `ones`,
     whose 8 columns are equal, a product beside P V instead of an addition per score. IS_VARLEN:
@@ -506,8 +514,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                 k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                 p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b, diag_offset,
-                                                      left, right, qk_scale, seed, b * nheads + h, threshold,
-                                                      HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, False, HALF_M, BLOCK_N)
+                                                      left, right, qk_scale, softcap, seed, b * nheads + h, threshold,
+                                                      HAS_LEFT, HAS_RIGHT, 0, HAS_SOFTCAP, HAS_DROPOUT, False, HALF_M,
+                                                      BLOCK_N)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
                     prev = (it + j - 1) % NUM_STAGES
@@ -520,9 +529,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
                     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk_b, diag_offset, left, right, qk_scale, seed, b * nheads + h,
-                                                          threshold, HAS_LEFT, HAS_RIGHT, 1, HAS_DROPOUT, False,
-                                                          HALF_M, BLOCK_N)
+                                                          sk_b, diag_offset, left, right, qk_scale, softcap, seed,
+                                                          b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1, HAS_SOFTCAP,
+                                                          HAS_DROPOUT, False, HALF_M, BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     # P_{j-1} is a register operand of the product in flight: it stays untouched until the
                     # product is done
@@ -543,9 +552,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                     s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk_b, diag_offset, left, right, qk_scale, seed, b * nheads + h,
-                                                          threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_DROPOUT, ROWSUM_MMA,
-                                                          HALF_M, BLOCK_N)
+                                                          sk_b, diag_offset, left, right, qk_scale, softcap, seed,
+                                                          b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_SOFTCAP,
+                                                          HAS_DROPOUT, ROWSUM_MMA, HALF_M, BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                     if ROWSUM_MMA:
@@ -592,16 +601,17 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
 
 @gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k"])
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, stride_ob,
-                     stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, threshold,
-                     dropout_scale, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, softcap,
+                     threshold, dropout_scale, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      NUM_STAGES: gl.constexpr, Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                     HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
-                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr):
+                     HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr,
+                     IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
     leaves while the next one's Q and K/V come in. IS_VARLEN: the batch is packed (q_desc, k_desc
     and v_desc over (1, total, heads, d) views), `batch` counts its sequences and sq / sk are the
-    longest ones (the Triton kernel's flag). HAS_SINK: Sink, the (h,) attention sink, as there."""
+    longest ones (the Triton kernel's flag). HAS_SINK: Sink, the (h,) attention sink, as there.
+    HAS_SOFTCAP: scores softcap * tanh(S qk_scale), softcap in the log2 domain."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -644,21 +654,24 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
         gl.warp_specialize([
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
+                                 HAS_SEQUSED,
                                  HAS_SINK)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
+                                 HAS_SEQUSED,
                                  HAS_SINK)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
+                                 HAS_SEQUSED,
                                  HAS_SINK)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
@@ -669,15 +682,17 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
         gl.warp_specialize([
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
+                                 HAS_SEQUSED,
                                  HAS_SINK)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, stride_ob, stride_om, stride_oh, Rng,
+                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED,
+                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
+                                 HAS_SEQUSED,
                                  HAS_SINK)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
@@ -694,12 +709,12 @@ def tma_ok(t) -> bool:
             and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def _hopper_supports(q, k, v, out, qk_scale, softcap, alibi_slopes, varlen) -> bool:
+def _hopper_supports(q, k, v, out, qk_scale, alibi_slopes, varlen) -> bool:
     """Can _fwd_kernel_sm90 take this call? BSHD batches and packed ones without a page table
-    (dropout and sinks included) with a positive scale (its row max is taken on raw products) and
-    without the score modifiers, whose inputs TMA can address and whose output has a contiguous
-    head dim."""
-    if qk_scale <= 0 or softcap > 0 or alibi_slopes is not None:
+    (dropout, softcap and sinks included) with a positive scale (its row max is taken on raw
+    products, or with softcap on scores that rise with them) and without ALiBi, whose inputs TMA
+    can address and whose output has a contiguous head dim."""
+    if qk_scale <= 0 or alibi_slopes is not None:
         return False
     if varlen is not None and varlen.block_table is not None:
         return False
@@ -745,11 +760,12 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None, sink=None):
+def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None, sink=None, softcap=0.0):
     """Tiles of cfg.block_m rows, 64 per consumer warpgroup (configs.hopper_forward_consumers;
     cfg.num_warps = 4 each); cfg.num_stages K/V buffers; a program per SM walking tiles where
     configs.hopper_forward_persistent says so, else a program per tile. dropout, varlen (a packed
-    batch without a page table) and sink as attention_forward's."""
+    batch without a page table) and sink as attention_forward's; qk_scale and softcap as
+    kernel_scale gives them."""
     h, d = q.shape[-2:]
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
@@ -766,9 +782,9 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
                            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3],
                            sink, *out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
-                           threshold, dropout_scale, total_q, total_k, HAS_LEFT=left is not None,
+                           softcap * LOG2E.value, threshold, dropout_scale, total_q, total_k, HAS_LEFT=left is not None,
                            HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
-                           HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
+                           HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
                            HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None, num_warps=cfg.num_warps,
                            maxnreg=hopper_forward_maxnreg(consumers))
