@@ -391,6 +391,33 @@ def dropout_keep_sm90(words, threshold, layout: gl.constexpr, ROWS: gl.constexpr
     return gl.convert_layout(bits, layout, assert_trivial=True) >= dropout_bar(threshold)
 
 
+def softcap_scales(qk_scale: float, softcap: float) -> tuple[float, float]:
+    """(cap_scale, softcap2) of capped_sm90 from kernel_scale's (qk_scale, softcap) of a capped
+    call: the products' factor 2 log2(e) softmax_scale / softcap (one exp2 gives e^{2x}) and the
+    cap in the log2 domain."""
+    return 2.0 * LOG2E.value * qk_scale, softcap * LOG2E.value
+
+
+@gluon.jit
+def capped_sm90(qk, cap_scale, softcap2):
+    """The Hopper kernels' capped scores (log2 domain) of raw products qk, softcap * tanh(x) with
+    x = qk * softmax_scale / softcap (scores_log2's, softcap_scales' arguments), and r: tanh(x) =
+    1 - 2 r, r = 1 / (1 + e^{2x}) by one exp2 and an approximate reciprocal (two MUFU operations,
+    where the IEEE division of tanh() costs a range check and more). The cap's derivative is
+    1 - tanh^2 = 4 r (1 - r) (cap_derivative_sm90). Limits: r -> 0 (score -> +softcap) and r -> 1
+    (-softcap)."""
+    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + gl.exp2(qk * cap_scale)],
+                                  dtype=gl.float32, is_pure=True, pack=1)
+    return gl.fma(r, -2.0 * softcap2, softcap2), r
+
+
+@gluon.jit
+def cap_derivative_sm90(r):
+    """1 - tanh^2 = 4 r - 4 r^2 of capped_sm90's r, in two instructions."""
+    four_r = 4.0 * r
+    return gl.fma(-four_r, r, four_r)
+
+
 @triton.jit
 def dropout_seed(Rng):
     """(key, x0, x1) of a call's Philox stream, uint32 each: the low and high words of the first

@@ -42,10 +42,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
-                                   dropout_keep_sm90, dropout_seed, dropout_words_sm90, head_chunked_order,
-                                   head_dim_mask, in_window, kernel_scale, load_tile_pair, lse_row_base, scores_log2,
-                                   seq_bounds, tanh, visible)
+from flashtile.ops._common import (LOG2E, alibi_strides, block_range, cap_derivative_sm90, capped_sm90,
+                                   dot_precision, dropout_keep, dropout_keep_sm90, dropout_seed, dropout_words_sm90,
+                                   head_chunked_order, head_dim_mask, in_window, kernel_scale, load_tile_pair,
+                                   lse_row_base, scores_log2, seq_bounds, softcap_scales, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
@@ -626,8 +626,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     dQ product ahead of its own S^T, so that product's trip out (shared memory, TMA reduce-add)
     runs under S^T; no product is left in flight from one step to the next (ptxas would serialise
     every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ.
-    HAS_SOFTCAP: the scores are softcap * tanh(S qk_scale) (softcap in the log2 domain) and dS
-    takes the cap's derivative, as in the Triton programs. HAS_DROPOUT: P^T and dP^T see the
+    HAS_SOFTCAP: the scores are capped (capped_sm90; qk_scale and softcap are softcap_scales')
+    and dS takes the cap's derivative, as in the Triton programs. HAS_DROPOUT: P^T and dP^T see the
     forward's keep-mask (made while S^T is computed), dV is scaled by 1 / (1 - p) at the end, as
     in the Triton programs. IS_VARLEN: dK and dV leave
     through pointers, masked at the sequence's last key (a TMA store of the block would write its
@@ -760,10 +760,9 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
         seed, bh0, threshold, dropout_scale = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
     s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
-    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2
-        t = tanh(s_t * qk_scale)
-        s_t = t * softcap
-        dcap = 1.0 - t * t
+    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
+        s_t, r = capped_sm90(s_t, qk_scale, softcap)
+        dcap = cap_derivative_sm90(r)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p_t = gl.exp2(s_t * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[None, :])
     if (start_m < full_lo) | (start_m >= full_hi):
@@ -858,10 +857,9 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
         seed, bh0, threshold, dropout_scale = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2
-        s = tanh(s * qk_scale)
-        dcap = 1.0 - s * s
-        s = s * softcap
+    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
+        s, r = capped_sm90(s, qk_scale, softcap)
+        dcap = cap_derivative_sm90(r)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p = gl.exp2(s * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[:, None])
     if (start_m < full_lo) | (start_m >= full_hi):
@@ -1070,14 +1068,16 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
         return box_descriptor(t, *boxes[name])
 
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
+    qk_scale, softcap2 = kernel_scale(softmax_scale, softcap)
+    if softcap > 0:
+        qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
     _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
         box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
         box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs,
-        h, hk, sq, sk, left or 0, right or 0, rows_pad,
-        kernel_scale(softmax_scale, softcap)[0], softmax_scale, threshold, dropout_scale, total_q, total_k,
-        softcap * LOG2E.value, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+        h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale, threshold, dropout_scale, total_q,
+        total_k, softcap2, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
-        HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], num_warps=cfg.num_warps,
-        maxnreg=HOPPER_MAXNREG)
+        HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
+        num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

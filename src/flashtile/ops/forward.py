@@ -33,10 +33,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, current_stream, launch
-from flashtile.ops._common import (LN2, LOG2E, alibi_strides, block_range, dot_precision, dropout_keep,
+from flashtile.ops._common import (LN2, alibi_strides, block_range, capped_sm90, dot_precision, dropout_keep,
                                    dropout_keep_sm90, dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask,
                                    kernel_scale, load_tile_pair, lse_row_base, page_of, q_block_of, q_block_program,
-                                   scores_log2, seq_bounds, tanh, visible)
+                                   scores_log2, seq_bounds, softcap_scales, visible)
 
 
 @triton.jit
@@ -425,9 +425,8 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
-    caller rescales and adds to, and comes back as it is. HAS_SOFTCAP: the scores are
-    softcap * tanh(S * qk_scale) (scores_log2's; qk_scale = softmax_scale / softcap, here softcap
-    in the log2 domain). HAS_DROPOUT: the block's Philox calls (head bh) are made before the wait,
+    caller rescales and adds to, and comes back as it is. HAS_SOFTCAP: the scores are capped
+    (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_DROPOUT: the block's Philox calls (head bh) are made before the wait,
     while S is computed; l sums P before dropout, and the returned p (P V's operand) has the
     dropped scores zeroed."""
     if HAS_DROPOUT:
@@ -435,7 +434,7 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
     s_layout: gl.constexpr = qk.type.layout
     if HAS_SOFTCAP:  # capped before the max: a cap is no scale
-        qk = tanh(qk * qk_scale) * softcap
+        qk, _ = capped_sm90(qk, qk_scale, softcap)
     if (start_n < full_lo) | (start_n >= full_hi):
         offs_m = start_m + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
         offs_n = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
@@ -611,7 +610,7 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
     leaves while the next one's Q and K/V come in. IS_VARLEN: the batch is packed (q_desc, k_desc
     and v_desc over (1, total, heads, d) views), `batch` counts its sequences and sq / sk are the
     longest ones (the Triton kernel's flag). HAS_SINK: Sink, the (h,) attention sink, as there.
-    HAS_SOFTCAP: scores softcap * tanh(S qk_scale), softcap in the log2 domain."""
+    HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are softcap_scales')."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -766,6 +765,8 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     configs.hopper_forward_persistent says so, else a program per tile. dropout, varlen (a packed
     batch without a page table) and sink as attention_forward's; qk_scale and softcap as
     kernel_scale gives them."""
+    if softcap > 0:
+        qk_scale, softcap = softcap_scales(qk_scale, softcap)
     h, d = q.shape[-2:]
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
@@ -782,7 +783,7 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
                            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3],
                            sink, *out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
-                           softcap * LOG2E.value, threshold, dropout_scale, total_q, total_k, HAS_LEFT=left is not None,
+                           softcap, threshold, dropout_scale, total_q, total_k, HAS_LEFT=left is not None,
                            HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
                            Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
                            HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
