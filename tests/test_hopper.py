@@ -22,6 +22,10 @@ def test_dispatch(sm90, monkeypatch):
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=1024, seqlen_q=1024) is not None
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=512, seqlen_q=512) is None
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=2048, seqlen_q=2048) is None
+    # with softcap a causal d=64 forward measured level with the Triton kernel, or slower: it keeps that one
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192, softcap=True) is None
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=8192, seqlen_q=8192, softcap=True)
+    assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192, softcap=True)
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=1) is None
     assert configs.hopper_forward_config(96, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
     assert configs.hopper_forward_config(256, bf16, CUDA, causal=False, seqlen_k=1024, seqlen_q=1024).block_n == 64

@@ -55,7 +55,7 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
 
 
 def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
-                          seqlen_k: int, seqlen_q: int) -> BlockConfig | None:
+                          seqlen_k: int, seqlen_q: int, softcap: bool = False) -> BlockConfig | None:
     """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90) where it is measured faster than
     forward_config's, else None (the Triton kernel runs).
 
@@ -77,12 +77,17 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     (scripts/ab_hopper_forward.py): non-causal 1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k
     1.089x, causal 1k 0.884x and 2k 1.043x with rounds at 156 and 172 TFLOP/s (the Triton kernel
     288-339 in every round). So non-causal d=64 takes it from 1k keys, causal from 4k.
+    With softcap (softcap_dispatch.json, 7b32a00, capped at 50, this kernel / the Triton kernel in
+    one run): d=128 1.18-1.34x at 1k-16k, causal 1.06-1.29x; d=64 1.17-1.25x, but causal at 4k / 8k /
+    16k 217 / 235, 241 / 237, 250 / 250 TFLOP/s (three exponential-unit operations a score where
+    the products of 64 columns take half d=128's time), so a capped causal d=64 keeps the Triton
+    kernel. (The backward's Hopper kernel is 1.20-1.59x its Triton programs with a cap everywhere.)
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):
         return None
-    if seqlen_q < 128 or (d == 64 and seqlen_k < (4096 if causal else 1024)):
+    if seqlen_q < 128 or (d == 64 and seqlen_k < (4096 if causal else 1024)) or (d == 64 and causal and softcap):
         return None
     if d == 256 and causal and seqlen_k < 2048:
         return None

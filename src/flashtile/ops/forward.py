@@ -248,7 +248,8 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     left, right = window
     if b * sq == 0:
         return out, lse
-    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq)
+    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq,
+                                           softcap=softcap > 0)
     if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, alibi_slopes, varlen):
         _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap)
         return out, lse
