@@ -629,9 +629,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     HAS_SOFTCAP: the scores are capped (capped_sm90; qk_scale and softcap are softcap_scales')
     and dS takes the cap's derivative, as in the Triton programs. HAS_DROPOUT: P^T and dP^T see the
     forward's keep-mask (made while S^T is computed), dV is scaled by 1 / (1 - p) at the end, as
-    in the Triton programs. IS_VARLEN: dK and dV leave
-    through pointers, masked at the sequence's last key (a TMA store of the block would write its
-    zeros over the next sequence's first keys); tb, q0, k0 as _bwd_sm90_load's."""
+    in the Triton programs. IS_VARLEN: dK and dV leave through pointers, masked at the sequence's
+    last key (a TMA store of the block would write its zeros over the next sequence's first keys);
+    tb, q0, k0 as _bwd_sm90_load's."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]  # this warpgroup's keys (with SPLIT_D, the program's)
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -936,7 +936,9 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     d) views; DK, DV its gradients, (total_k, hk, d)) whose `batch` counts sequences, sq / sk the
     longest: a program finds its sequence in cu_seqlens (seq_bounds); a key block past its end
     does nothing, and one that runs into the next sequence masks every step (those keys' rows of
-    P^T are zero, so nothing of them reaches dQ)."""
+    P^T are zero, so nothing of them reaches dQ). HAS_SOFTCAP: capped scores (capped_sm90; qk_scale
+    and softcap are softcap_scales'; softcap comes after the other scalars, so that their
+    parameter offsets, and the SASS without the flag, stay those of the kernel before it)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2

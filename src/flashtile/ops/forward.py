@@ -427,9 +427,9 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
     caller rescales and adds to, and comes back as it is. HAS_SOFTCAP: the scores are capped
-    (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_DROPOUT: the block's Philox calls (head bh) are made before the wait,
-    while S is computed; l sums P before dropout, and the returned p (P V's operand) has the
-    dropped scores zeroed."""
+    (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_DROPOUT: the block's Philox calls
+    (head bh) are made before the wait, while S is computed; l sums P before dropout, and the
+    returned p (P V's operand) has the dropped scores zeroed."""
     if HAS_DROPOUT:
         words = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
