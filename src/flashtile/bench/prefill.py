@@ -59,7 +59,9 @@ def _sdpa(backend):
     return run
 
 
-def _flex():
+def _flex(score_mod=None):
+    """(q, k, v, causal) -> out of FlexAttention (compiled, a causal block mask per shape), with
+    score_mod applied to the scores when given."""
     import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -78,7 +80,8 @@ def _flex():
             if key not in masks:
                 masks[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, *key, device=q.device)
             block_mask = masks[key]
-        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
+        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
+                       block_mask=block_mask)
         return out.transpose(1, 2)
 
     return run
@@ -320,25 +323,11 @@ def _with_softcap(name: str, cap: float, fa4=None):
         return lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal, softcap=cap)
     if name == "fa4":
         return lambda q, k, v, causal: fa4(q, k, v, causal=causal, softcap=cap)[0]
-    import torch._functorch.config
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    torch._functorch.config.donated_buffer = False  # as _flex: the backward is timed over one graph
-    compiled = torch.compile(flex_attention, dynamic=False)
-    masks = {}
 
     def capped(score, b, h, i, j):
         return cap * torch.tanh(score / cap)
 
-    def run(q, k, v, causal):
-        key = (q.shape[1], k.shape[1])
-        if causal and key not in masks:
-            masks[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, *key, device=q.device)
-        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=capped,
-                       block_mask=masks[key] if causal else None)
-        return out.transpose(1, 2)
-
-    return run
+    return _flex(capped)
 
 
 def run_softcap(args, dtype, result, path):
