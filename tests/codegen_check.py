@@ -114,9 +114,10 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
 
 
 def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False,
-                           softcap: bool = False):
+                           softcap: bool = False, alibi: bool = False):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
-    packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores)."""
+    packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores; alibi:
+    ALiBi slopes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_forward_tiles(d)
@@ -125,7 +126,9 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
                  HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
-                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap)
+                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi)
+    if not alibi:
+        const["Slopes"] = None
     if not dropout:
         const["Rng"] = None
     if not varlen:
@@ -142,15 +145,16 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
             signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
         else:
             signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "Rng": "*i64", "qk_scale": "fp32",
-                            "softcap": "fp32", "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32"}.get(n, "i32")
+                            "softcap": "fp32", "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32", "Slopes": "*fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.hopper_forward_maxnreg(const["CONSUMERS"])))
 
 
-def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False):
+def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False,
+                            alibi: bool = False):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
-    packed batch without seqused_k; softcap: capped scores)."""
+    packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_backward_tiles(d, dropout, softcap)
@@ -158,7 +162,10 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
-                 HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap)
+                 HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap,
+                 HAS_ALIBI=alibi)
+    if not alibi:
+        const["Slopes"] = None
     if not dropout:
         const["Rng"] = None
     if not varlen:
@@ -178,6 +185,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
         else:
             signature[n] = ("fp32" if n in ("qk_scale", "softcap", "softmax_scale", "dropout_scale") else
                             "*i64" if n == "Rng" else "*i32" if n in ("CuSeqQ", "CuSeqK") else
+                            "*fp32" if n == "Slopes" else
                             "*bf16" if n in ("DK", "DV") else "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -246,13 +254,14 @@ def waits_before_loads(compiled) -> bool:
 def ptxas_report(compiled) -> dict:
     """ptxas -v on the kernel's PTX: spill bytes, whether it serialised the wgmmas (info C7514: an
     accumulator read while its product may be in flight; C7512: too few registers), the
-    setmaxnreg values and the shared memory."""
+    setmaxnreg values, the shared memory and the PTX's int-to-float conversions (which issue on
+    the exponential unit)."""
     log = _ptxas_log(compiled)
+    ptx = compiled.asm["ptx"]
     spills = re.search(r"(\d+) bytes spill stores", log)
     return {"spill_bytes": int(spills.group(1)) if spills else 0, "wgmma_serialised": "C7514" in log or "C7512" in log,
-            "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                             compiled.asm["ptx"])}),
-            "shared_bytes": compiled.metadata.shared}
+            "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+            "shared_bytes": compiled.metadata.shared, "int_to_float": len(re.findall(r"cvt\.rn\.f32\.[su]32", ptx))}
 
 
 def _tool(name: str) -> str:
@@ -309,9 +318,10 @@ if __name__ == "__main__":
         options = ("--causal" in argv, "--dropout" in argv, "--varlen" in argv)
         if argv[0] == "forward-sm90":
             compiled = compile_hopper_forward(int(argv[1]), *options, sink="--sink" in argv,
-                                              softcap="--softcap" in argv)
+                                              softcap="--softcap" in argv, alibi="--alibi" in argv)
         else:
-            compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv)
+            compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv,
+                                               alibi="--alibi" in argv)
         print(json.dumps(ptxas_report(compiled)))
         sys.exit(0)
     flags = {}

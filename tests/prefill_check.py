@@ -40,12 +40,12 @@ def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, 
                   alibi=False, layout="bshd", backward=True, factor=2, dropout_p=0.0, sink=False):
     """dropout_p > 0: the oracle applies the kernels' own mask (reference.dropout.DropoutMask).
     sink: an attention sink (h,) fp32 near the rows' LSE (so it takes a real share), its gradient
-    checked as well."""
+    checked as well. alibi: slopes (h,) in [0, 1), or with alibi="batch" (b, h)."""
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device, layout)
     scale = d ** -0.5
     left, right = window[0], (0 if causal else window[1])
-    kw = dict(softmax_scale=scale, window_size=(left, right), softcap=softcap,
-              alibi_slopes=torch.rand(h, device=device) if alibi else None)
+    slopes = torch.rand(*((b, h) if alibi == "batch" else (h, )), device=device) if alibi else None
+    kw = dict(softmax_scale=scale, window_size=(left, right), softcap=softcap, alibi_slopes=slopes)
     win = (None if left < 0 else left, None if right < 0 else right)
     kw["learnable_sink"] = sink_t = sink_logits(h, sk, device) if sink else None
     dropout = None

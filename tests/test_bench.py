@@ -110,6 +110,30 @@ def test_prefill_softcap_section_rows(tmp_path, monkeypatch):
     assert "| 50.0 | 128 | no | 4096 | 137 / 69 / 46 | 172 / 86 / 57 | 2.00x faster | 1.250x |" in table, table
 
 
+def test_prefill_alibi_section_rows(tmp_path, monkeypatch):
+    """ALiBi rows of flashtile, its Triton kernels, SDPA with a bias mask and FlexAttention, each
+    checked against the Triton kernels, then flashtile without ALiBi; the table's ratios. The
+    slopes: 2^(-8 (i + 1) / h)."""
+    times = {("flashtile", True): (1.0, 2.0), ("flashtile-triton", True): (2.0, 4.0), ("sdpa-bias", True): (4.0, 8.0),
+             ("flex", True): (3.0, 6.0), ("flashtile", False): (0.9, 1.8)}
+
+    def fake_measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
+        assert (ref_out is None) == (not fn[1])
+        return (*times[fn], 10.0, 0.0)
+
+    monkeypatch.setattr(prefill, "measure", fake_measure)
+    monkeypatch.setattr(prefill, "_with_alibi", lambda name, on: (name, on))
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    result = prefill.run(_prefill_args(sections=["alibi"], alibi_headdims=[128], alibi_seqlens=[4096]),
+                         str(tmp_path / "prefill.json"))
+    rows = result["rows"]
+    assert [(r["impl"], r["alibi"]) for r in rows[:5]] == list(times)
+    assert len(rows) == 10 and {r["section"] for r in rows} == {"alibi"}
+    table = "\n".join(prefill_report._section_summary(result))
+    assert "| yes | 128 | no | 4096 | 137 / 69 / 46 / 34 | 172 / 86 / 57 / 43 | 2.00x faster | 1.111x |" in table, table
+    assert prefill.alibi_slopes(8, "cpu").tolist() == [2.0 ** -i for i in range(1, 9)]
+
+
 def test_varlen_lengths_and_interpolation():
     lengths = prefill.varlen_lengths(16384, 128, 4096)
     assert sum(lengths) == 16384 and all(1 <= n <= 4096 for n in lengths) and min(lengths[:-1]) >= 128

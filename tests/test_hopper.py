@@ -44,24 +44,23 @@ def qkv(b=2, s=256, h=4, d=128):
 
 def test_supports_plain_strided_layouts():
     q, k, v = qkv()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, None, None)
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, None)
     bhsd = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, None, None)
+    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, None)
 
 
 def test_refuses_what_tma_cannot_read():
     q, k, v = qkv()
     out = torch.empty_like(q)
     shared_k = k[:1].expand_as(k)  # stride 0 over the batch
-    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, None, None)
+    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, None)
     base = torch.empty(q.numel() + 1, dtype=q.dtype)
     shifted = base[1:].view(q.shape)  # 2 bytes past 16-byte alignment
     assert shifted.data_ptr() % 16 != 0
-    assert not forward._hopper_supports(shifted, k, v, out, 1.0, None, None)
+    assert not forward._hopper_supports(shifted, k, v, out, 1.0, None)
     odd = torch.randn(2, 256, 4, 130, dtype=torch.bfloat16)[..., :128]  # head stride of 260 bytes
-    assert not forward._hopper_supports(q, odd, v, out, 1.0, None, None)
-    assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, None,
-                                        None)
+    assert not forward._hopper_supports(q, odd, v, out, 1.0, None)
+    assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, None)
 
 
 def packed(paged: bool = False):
@@ -77,20 +76,33 @@ def packed(paged: bool = False):
     return q, k, v, _checks.check_varlen(q, k, v, cu, cu, 144, 144, None, None)
 
 
-@pytest.mark.parametrize("modifier", ["negative scale", "alibi", "paged varlen"])
+@pytest.mark.parametrize("modifier", ["negative scale", "paged varlen"])
 def test_refuses_score_modifiers(modifier):
-    """ALiBi, a page table (packed batches without one it takes), and a negative scale: its row
-    max is taken on the raw products (or on capped scores, which rise with them) and scaled
-    after, which a negative scale would turn into the row min. (Dropout, softcap and sinks it
-    takes: test_hopper_cuda.py's test_dropout, test_softcap and test_sink.)"""
+    """A page table (packed batches without one it takes), and a negative scale: its row max is
+    taken on the raw products (or on capped scores, which rise with them) and scaled after, which
+    a negative scale would turn into the row min. (Dropout, softcap, ALiBi and sinks it takes:
+    test_hopper_cuda.py's test_dropout, test_softcap, test_alibi and test_sink.)"""
     q, k, v = qkv()
-    args = dict(qk_scale=1.0, alibi_slopes=None, varlen=None)
+    args = dict(qk_scale=1.0, varlen=None)
     if modifier == "paged varlen":
         q, k, v, varlen = packed(paged=True)
         args["varlen"] = varlen
-    args.update({"negative scale": dict(qk_scale=-0.1), "alibi": dict(alibi_slopes=torch.rand(4)),
-                 "paged varlen": {}}[modifier])
+    args.update({"negative scale": dict(qk_scale=-0.1), "paged varlen": {}}[modifier])
     assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
+
+
+def test_alibi_positions_the_hopper_kernels_take():
+    """ALiBi reaches the Hopper kernels while every position of their blocks is below 2^22
+    (alibi_sm90's integer-add conversion); longer sequences keep the Triton kernels
+    (test_hopper_cuda.py's test_alibi_longest_keys on the H100)."""
+    from flashtile.ops._common import ALIBI_MAX_POSITION, alibi_fits_sm90
+
+    slopes = torch.rand(4)
+    assert ALIBI_MAX_POSITION == 2 ** 22
+    assert alibi_fits_sm90(None, 2 ** 30, 2 ** 30)
+    assert alibi_fits_sm90(slopes, 128, ALIBI_MAX_POSITION - 256)
+    assert not alibi_fits_sm90(slopes, 128, ALIBI_MAX_POSITION - 255)
+    assert not alibi_fits_sm90(slopes, ALIBI_MAX_POSITION, 128)
 
 
 def test_supports_packed_batches():
@@ -100,9 +112,9 @@ def test_supports_packed_batches():
     from flashtile.ops import backward
 
     q, k, v, varlen = packed()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, None, varlen)
+    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, varlen)
     assert backward._hopper_supports(q, k, v, torch.randn_like(q), torch.empty_like(k), torch.empty_like(v), 0.1,
-                                     None, varlen)
+                                     varlen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,13 +145,13 @@ def test_backward_dispatch(sm90, monkeypatch):
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=4096) is None
 
 
-@pytest.mark.parametrize("refused", ["none", "negative scale", "alibi", "paged varlen", "expanded k", "misaligned dk"])
+@pytest.mark.parametrize("refused", ["none", "negative scale", "paged varlen", "expanded k", "misaligned dk"])
 def test_backward_supports(refused):
     from flashtile.ops import backward
 
     q, k, v = qkv()
     dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
-    args = dict(softmax_scale=0.1, alibi_slopes=None, varlen=None)
+    args = dict(softmax_scale=0.1, varlen=None)
     if refused == "expanded k":
         k = k[:1].expand_as(k)
     elif refused == "misaligned dk":
@@ -148,7 +160,7 @@ def test_backward_supports(refused):
         q, k, v, args["varlen"] = packed(paged=True)
         dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
     elif refused != "none":
-        args.update({"negative scale": dict(softmax_scale=-0.1), "alibi": dict(alibi_slopes=torch.rand(4))}[refused])
+        args["softmax_scale"] = -0.1
     assert backward._hopper_supports(q, k, v, dout, dk, dv, **args) == (refused == "none")
 
 

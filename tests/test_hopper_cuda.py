@@ -103,8 +103,7 @@ def test_strided_layouts(hopper_launches, layout):
 
 
 def test_what_tma_cannot_address_runs_the_triton_kernel(hopper_launches):
-    """A tensor 2 bytes off 16-byte alignment, one expanded over the batch (stride 0), and the
-    score modifiers the Hopper kernel lacks."""
+    """A tensor 2 bytes off 16-byte alignment and one expanded over the batch (stride 0)."""
     q, k, v = make_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16, "cuda")
     base = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
     shifted = base[1:].view(q.shape).copy_(q)
@@ -117,8 +116,6 @@ def test_what_tma_cannot_address_runs_the_triton_kernel(hopper_launches):
     ref, ref_lse = forward.attention_forward(q, shared_k.contiguous(), v, 128 ** -0.5, (None, 0))
     assert len(hopper_launches) == 2  # the contiguous copy only
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
-    check_prefill(2, 300, 300, 4, 2, 128, torch.bfloat16, "cuda", softcap=30.0, alibi=True, backward=False)
-    assert len(hopper_launches) == 2
 
 
 def test_cuda_graph(hopper_launches):
@@ -325,6 +322,67 @@ def test_softcap_varlen(hopper_launches, hopper_backward_launches, d):
     check_varlen([300, 0, 17, 1024, 129], [250, 40, 17, 1024, 300], 4, 2, d, torch.bfloat16, "cuda", causal=True,
                  softcap=10.0)
     assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", SOFTCAP_SEQLENS, ids=[f"{a}x{b}" for a, b in SOFTCAP_SEQLENS])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16),
+                                     (128, torch.float16)], ids=["d64-fp16", "d128-bf16", "d256-bf16", "d128-fp16"])
+def test_alibi(hopper_launches, hopper_backward_launches, d, sq, sk, dtype, causal):
+    """ALiBi in both Hopper kernels: -slope |i + sk - sq - j| added to the scaled scores before the
+    max and in the backward's recomputed P; output, LSE and dQ/dK/dV against the float64 oracle,
+    2x rule, GQA; slopes in [0, 1) per head, then per (batch, head)."""
+    for alibi in (True, "batch"):
+        check_prefill(2, sq, sk, 4, 2, d, dtype, "cuda", causal=causal, alibi=alibi)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize("case", [dict(softcap=20.0), dict(dropout_p=0.2), dict(window=(100, 20)), dict(sink=True)],
+                         ids=["softcap", "dropout", "window", "sink"])
+def test_alibi_with(hopper_launches, hopper_backward_launches, d, case):
+    """ALiBi beside the other flags: after the cap (flash-attn's order), with dropout, a window and
+    an attention sink."""
+    check_prefill(2, 700, 900, 4, 2, d, torch.bfloat16, "cuda", causal="window" not in case, alibi=True, **case)
+    assert hopper_launches and hopper_backward_launches
+
+
+def test_alibi_longest_keys(hopper_launches, hopper_backward_launches, monkeypatch):
+    """The longest key range whose ALiBi the Hopper kernels take (positions below 2^22, made floats
+    by an integer add): output, LSE and gradients against the Triton kernels' (exact integer
+    positions to 2^24), slopes small enough that the farthest keys still count; one key more and
+    both calls keep the Triton kernels."""
+    from flashtile.ops._common import ALIBI_MAX_POSITION
+
+    slopes = torch.tensor([1e-6, 3e-6], device="cuda")
+    for sk, hopper in ((ALIBI_MAX_POSITION - 256, True), (ALIBI_MAX_POSITION - 255, False)):
+        q, k, v = make_qkv(1, 128, sk, 2, 1, 128, torch.bfloat16, "cuda")
+        dout = torch.randn_like(q)
+        launches = len(hopper_launches), len(hopper_backward_launches)
+        out, lse = forward.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=slopes)
+        grads = backward.attention_backward(dout, q, k, v, out, lse, 0.1, (None, 0), alibi_slopes=slopes)
+        assert (len(hopper_launches) > launches[0], len(hopper_backward_launches) > launches[1]) == (hopper, hopper)
+        if hopper:
+            with monkeypatch.context() as m:
+                m.setattr(configs, "hopper_forward_config", lambda *a, **kw: None)
+                m.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
+                ref_out, ref_lse = forward.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=slopes)
+                ref_grads = backward.attention_backward(dout, q, k, v, ref_out, ref_lse, 0.1, (None, 0),
+                                                        alibi_slopes=slopes)
+            torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=0)
+            torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)
+            for a, b in zip(grads, ref_grads):
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        del q, k, v, grads
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_alibi_varlen(hopper_launches, hopper_backward_launches, d):
+    """A packed batch: each sequence's bias from its own diagonal (sk_i - sq_i), slopes (b, h)."""
+    check_varlen([300, 0, 17, 1024, 129], [250, 40, 17, 1024, 300], 4, 2, d, torch.bfloat16, "cuda", causal=True,
+                 alibi=True)
+    check_varlen([300, 1, 700], [500, 64, 600], 4, 1, d, torch.float16, "cuda", alibi=True)
+    assert len(hopper_launches) == 2 and len(hopper_backward_launches) == 2
 
 
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])

@@ -25,9 +25,12 @@ dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flasht
 `sink` (an attention sink, learnable_sink, against none: flashtile, and FlashAttention-4 when
 `flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine), `softcap`
 (Gemma-2's capped logits, softcap * tanh(s / softcap): flashtile, flashtile's Triton kernels,
-FA4 when it imports and FlexAttention with a tanh score_mod, and flashtile without a cap). A run of
-some sections keeps the other sections' rows of an existing prefill.json (with the environment
-they were measured in, under "envs").
+FA4 when it imports and FlexAttention with a tanh score_mod, and flashtile without a cap), `alibi`
+(ALiBi's bias -slope |i - j|, slopes 2^(-8 (i + 1) / h): flashtile, its Triton kernels, SDPA with
+the bias as a float attn_mask, as transformers' SDPA path gives ALiBi models, FlexAttention with
+the bias as a score_mod, and flashtile without ALiBi). A run of some sections keeps the other
+sections' rows of an existing prefill.json (with the environment they were measured in, under
+"envs").
 """
 
 from __future__ import annotations
@@ -330,42 +333,110 @@ def _with_softcap(name: str, cap: float, fa4=None):
     return _flex(capped)
 
 
-def run_softcap(args, dtype, result, path):
-    """Forward and backward with softcap = args.softcap at args.softcap_headdims x args.softcap_seqlens,
-    causal and not: flashtile, its Triton kernels (flashtile-triton, the path softcap took before the
-    Hopper kernels had it), FA4 when it imports, FlexAttention (at args.flex_headdims); then
-    flashtile without a cap, for the cap's cost. Each capped output is checked against the Triton kernels'."""
-    fa4 = _fa4()
-    names = ["flashtile", "flashtile-triton"] + (["fa4"] if fa4 is not None else []) + ["flex"]
-    if fa4 is None:
-        print("softcap: flash_attn.cute does not import; FlashAttention-4 rows skipped")
+def alibi_slopes(nheads: int, device) -> torch.Tensor:
+    """ALiBi's slopes (Press et al.), float32: 2^(-8 (i + 1) / nheads) for head i."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)], device=device)
+
+
+def _with_alibi(name: str, on: bool):
+    """(q, k, v, causal) -> out of a peer with ALiBi's bias (on) or without it (flashtile only).
+    The slopes (and SDPA's bias) are made once per shape, outside the timed calls: a model makes
+    them once, and a tensor built from a list on every call would time a host-to-device copy."""
+    import flashtile
+
+    slopes = {}
+
+    def slopes_of(q):
+        key = (q.shape[2], q.device)
+        if key not in slopes:
+            slopes[key] = alibi_slopes(*key)
+        return slopes[key]
+
+    if name in ("flashtile", "flashtile-triton"):  # the second under _triton_only (PEER_CONTEXTS)
+        return lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal,
+                                                                 alibi_slopes=slopes_of(q) if on else None)
+    if name == "sdpa-bias":
+        biases = {}  # one (h, sq, sk) bias per shape, made outside the timed calls (a model makes it once per step)
+
+        def run(q, k, v, causal):
+            key = (q.shape[1:3], k.shape[1], causal, q.dtype)
+            if key not in biases:
+                sq, sk = q.shape[1], k.shape[1]
+                i = torch.arange(sq, device=q.device)[:, None] + sk - sq
+                j = torch.arange(sk, device=q.device)[None, :]
+                bias = -slopes_of(q)[:, None, None] * (i - j).abs()
+                biases[key] = (bias.masked_fill(j > i, float("-inf")) if causal else bias).to(q.dtype)
+            out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                   v.transpose(1, 2), attn_mask=biases[key])
+            return out.transpose(1, 2)
+
+        return run
+    current = {}
+
+    def biased(score, b, h, i, j):  # the bench's sq == sk
+        return score - current["slopes"][h] * (i - j).abs()
+
+    flex = _flex(biased)
+
+    def run(q, k, v, causal):
+        current["slopes"] = slopes_of(q)
+        return flex(q, k, v, causal)
+
+    return run
+
+
+def run_score_mod(section: str, args, dtype, result, path):
+    """Forward and backward with a score modifier, section "softcap" (softcap = args.softcap) or
+    "alibi", at args.<section>_headdims x args.<section>_seqlens, causal and not: flashtile, its
+    Triton kernels (flashtile-triton, the path the modifier took before the Hopper kernels had it),
+    the peers (softcap: FA4 when it imports; alibi: SDPA with the bias as attn_mask), FlexAttention
+    (at args.flex_headdims); then flashtile without the modifier, for its cost. Each modified output
+    is checked against the Triton kernels'."""
+    if section == "softcap":
+        fa4 = _fa4()
+        names = ["flashtile", "flashtile-triton"] + (["fa4"] if fa4 is not None else []) + ["flex"]
+        if fa4 is None:
+            print("softcap: flash_attn.cute does not import; FlashAttention-4 rows skipped")
+
+        def make(name, on):
+            return _with_softcap(name, args.softcap if on else 0.0, fa4)
+
+        def label(on):
+            return dict(softcap=args.softcap if on else 0.0)
+    else:
+        names = ["flashtile", "flashtile-triton", "sdpa-bias", "flex"]
+        make = _with_alibi
+
+        def label(on):
+            return dict(alibi=on)
 
     def triton_ref(q, k, v, causal):
         with _triton_only():
-            return _with_softcap("flashtile", args.softcap)(q, k, v, causal)
+            return make("flashtile", True)(q, k, v, causal)
 
-    for d in args.softcap_headdims:
+    for d in getattr(args, f"{section}_headdims"):
         for causal in (False, True):
-            for seqlen in args.softcap_seqlens:
+            for seqlen in getattr(args, f"{section}_seqlens"):
                 batch, nheads = args.tokens // seqlen, 2048 // d
                 f = flops(batch, nheads, seqlen, d, causal)
-                for name, cap in [(n, args.softcap) for n in names] + [("flashtile", 0.0)]:
+                for name, on in [(n, True) for n in names] + [("flashtile", False)]:
                     if name == "flex" and d not in args.flex_headdims:  # a compile per shape: as the dense grid
                         continue
-                    row = dict(section="softcap", impl=name, softcap=cap, d=d, causal=causal, seqlen=seqlen,
+                    row = dict(section=section, impl=name, **label(on), d=d, causal=causal, seqlen=seqlen,
                                batch=batch, nheads=nheads)
                     try:
                         with PEER_CONTEXTS.get(name, contextlib.nullcontext)():
-                            fwd, bwd, peak, err = measure(_with_softcap(name, cap, fa4), batch, seqlen, nheads, d,
-                                                          causal, dtype, triton_ref if cap else None)
+                            fwd, bwd, peak, err = measure(make(name, on), batch, seqlen, nheads, d, causal, dtype,
+                                                          triton_ref if on else None)
                     except Exception as e:  # a peer without a kernel for this case: record why
                         row["error"] = repr(e)[:200]
-                        print(f"softcap {name} d={d} causal={causal} s={seqlen}: {row['error'][:120]}")
+                        print(f"{section} {name} d={d} causal={causal} s={seqlen}: {row['error'][:120]}")
                     else:
                         row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=f / fwd * 1e-9, bwd_tflops=2.5 * f / bwd * 1e-9,
                                    peak_mem_mb=peak, max_err_vs_triton=err)
-                        print(f"softcap {cap:4.1f} {name:16s} d={d:3d} causal={causal:d} s={seqlen:5d}  fwd "
-                              f"{row['fwd_tflops']:6.1f}  bwd {row['bwd_tflops']:6.1f} TFLOP/s  err {err}")
+                        print(f"{section} {'on ' if on else 'off'} {name:16s} d={d:3d} causal={causal:d} "
+                              f"s={seqlen:5d}  fwd {row['fwd_tflops']:6.1f}  bwd {row['bwd_tflops']:6.1f} TFLOP/s  "
+                              f"err {err}")
                     result["rows"].append(row)
                     if path:
                         harness.write_result(path, result, quiet=True)
@@ -401,8 +472,9 @@ def run(args, path: str | None = None) -> dict:
         run_dropout(args, dtype, result, path)
     if "sink" in args.sections:
         run_sink(args, dtype, result, path)
-    if "softcap" in args.sections:
-        run_softcap(args, dtype, result, path)
+    for section in ("softcap", "alibi"):
+        if section in args.sections:
+            run_score_mod(section, args, dtype, result, path)
     if "dense" in args.sections:
         run_dense(args, dtype, result, path)
     result["complete"] = True
@@ -525,7 +597,7 @@ def main(argv=None) -> None:
                    help="FlexAttention compiles per shape; limit it to these head dims")
     p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
     p.add_argument("--sections", type=lambda s: s.split(","),
-                   default=["dense", "varlen", "dropout", "sink", "softcap"])
+                   default=["dense", "varlen", "dropout", "sink", "softcap", "alibi"])
     p.add_argument("--varlen-lengths", type=_ints, default=[128, 4096], help="lo,hi of the varlen section's lengths")
     p.add_argument("--dropout-p", type=float, default=0.1)
     p.add_argument("--dropout-seqlens", type=_ints, default=[4096])
@@ -534,6 +606,8 @@ def main(argv=None) -> None:
     p.add_argument("--softcap", type=float, default=50.0, help="the softcap section's cap (Gemma-2's)")
     p.add_argument("--softcap-headdims", type=_ints, default=[128, 256])
     p.add_argument("--softcap-seqlens", type=_ints, default=[4096])
+    p.add_argument("--alibi-headdims", type=_ints, default=[64, 128, 256])
+    p.add_argument("--alibi-seqlens", type=_ints, default=[4096])
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true",
                    help="write prefill.json and prefill.md only (redraw later with --plot-only)")

@@ -154,8 +154,36 @@ def _fwd_bwd(row: dict) -> float:
     return row["fwd_ms"] + row["bwd_ms"]
 
 
+def _score_mod_summary(data: dict, section: str) -> list[str]:
+    """Markdown lines for a score modifier's rows (section "softcap" or "alibi"): each peer's
+    TFLOP/s with the modifier, flashtile against its Triton kernels and against itself without it."""
+    def on(r):
+        return r["softcap"] > 0 if section == "softcap" else r["alibi"]
+
+    mod = {(r["impl"], on(r), r["d"], r["causal"], r["seqlen"]): r for r in data["rows"]
+           if r.get("section") == section and "error" not in r}
+    if not mod:
+        return []
+    modified = sorted(k for k in mod if k[1])
+    impls = list(dict.fromkeys(k[0] for k in modified))
+    lines = ["", f"| {section} | d | causal | seqlen | fwd {' / '.join(impls)} (TFLOP/s) | bwd {' / '.join(impls)} "
+             f"| fwd + bwd flashtile vs Triton kernels | flashtile fwd + bwd vs no {section} |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key in sorted({k[2:] for k in modified}):
+        rows = [mod.get((impl, True, *key)) for impl in impls]
+        cells = [" / ".join(f"{r[t]:.0f}" if r else "-" for r in rows) for t in ("fwd_tflops", "bwd_tflops")]
+        ours, triton, plain = (mod.get(k) for k in (("flashtile", True, *key), ("flashtile-triton", True, *key),
+                                                    ("flashtile", False, *key)))
+        vs_triton = f"{_fwd_bwd(triton) / _fwd_bwd(ours):.2f}x faster" if ours and triton else "-"
+        vs_plain = f"{_fwd_bwd(ours) / _fwd_bwd(plain):.3f}x" if ours and plain else "-"
+        what = (ours["softcap"] if section == "softcap" else "yes") if ours else "-"
+        lines.append(f"| {what} | {key[0]} | {'yes' if key[1] else 'no'} | {key[2]} | {cells[0]} | {cells[1]} | "
+                     f"{vs_triton} | {vs_plain} |")
+    return lines
+
+
 def _section_summary(data: dict) -> list[str]:
-    """Markdown lines for the varlen, sink, softcap and dropout rows."""
+    """Markdown lines for the varlen, sink, softcap, ALiBi and dropout rows."""
     lines = []
     for r in data["rows"]:
         if r.get("section") == "varlen" and r["impl"] == "flashtile-varlen":
@@ -174,23 +202,8 @@ def _section_summary(data: dict) -> list[str]:
             lines.append(f"| causal | {r['impl']} | {r['d']} | {r['seqlen']} | {r['fwd_tflops_no_sink']:.0f} / "
                          f"{r['fwd_tflops_sink']:.0f} | {r['bwd_tflops_no_sink']:.0f} / {r['bwd_tflops_sink']:.0f} "
                          f"| {r['fwd_bwd_vs_no_sink']:.3f}x |")
-    cap = {(r["impl"], r["softcap"] > 0, r["d"], r["causal"], r["seqlen"]): r for r in data["rows"]
-           if r.get("section") == "softcap" and "error" not in r}
-    if cap:
-        capped = sorted(k for k in cap if k[1])
-        impls = list(dict.fromkeys(k[0] for k in capped))
-        lines += ["", f"| softcap | d | causal | seqlen | fwd {' / '.join(impls)} (TFLOP/s) | bwd {' / '.join(impls)} "
-                  "| fwd + bwd flashtile vs Triton kernels | flashtile fwd + bwd vs no cap |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for key in sorted({k[2:] for k in capped}):
-            rows = [cap.get((impl, True, *key)) for impl in impls]
-            cells = [" / ".join(f"{r[t]:.0f}" if r else "-" for r in rows) for t in ("fwd_tflops", "bwd_tflops")]
-            ours, triton, plain = (cap.get(k) for k in (("flashtile", True, *key), ("flashtile-triton", True, *key),
-                                                        ("flashtile", False, *key)))
-            vs_triton = f"{_fwd_bwd(triton) / _fwd_bwd(ours):.2f}x faster" if ours and triton else "-"
-            vs_plain = f"{_fwd_bwd(ours) / _fwd_bwd(plain):.3f}x" if ours and plain else "-"
-            lines.append(f"| {ours['softcap'] if ours else '-'} | {key[0]} | {'yes' if key[1] else 'no'} | {key[2]} | "
-                         f"{cells[0]} | {cells[1]} | {vs_triton} | {vs_plain} |")
+    for section in ("softcap", "alibi"):
+        lines += _score_mod_summary(data, section)
     drop = [r for r in data["rows"] if r.get("section") == "dropout" and "fwd_bwd_vs_no_dropout" in r]
     if drop:
         lines += ["", "| dropout p | impl | d | causal | seqlen | fwd + bwd vs p = 0 |", "|---|---|---|---|---|---|"]

@@ -418,6 +418,41 @@ def cap_derivative_sm90(r):
     return gl.fma(-four_r, r, four_r)
 
 
+# Positions the Hopper kernels' ALiBi takes: |position| < 2^22, so that 1.5 * 2^23 + position is
+# an exact float32 whose bits are those of 1.5 * 2^23 plus the integer (alibi_sm90)
+ALIBI_MAX_POSITION = 1 << 22
+ALIBI_MAGIC_BITS = gl.constexpr(0x4B400000)  # the bits of 12582912.0 = 1.5 * 2^23
+
+
+@gluon.jit
+def alibi_sm90(s, rows, cols, slope):
+    """The Hopper kernels' ALiBi: s - slope * |rows - cols| on a block of scores s, in whatever
+    units s has there (alibi_unit_sm90), rows and cols int32 positions along its two axes, one of
+    them shifted by diag_offset (scores_log2's |i + diag_offset - j|), |position| <
+    ALIBI_MAX_POSITION. A thread holds a few rows and many columns: the rows are converted, the
+    columns made floats (both plus 1.5 * 2^23, which their difference drops) by an integer add
+    to the bits of 1.5 * 2^23: int-to-float conversions issue on the unit the softmax's
+    exponentials saturate, and one per column of every block took the forward at d=128 from 652
+    to 373 TFLOP/s (NOTES.md "ALiBi on the Hopper kernels")."""
+    rows_f = rows.to(gl.float32) + 12582912.0
+    cols_f = (cols + ALIBI_MAGIC_BITS).to(gl.float32, bitcast=True)
+    return s - slope * gl.abs(rows_f[:, None] - cols_f[None, :])
+
+
+def alibi_fits_sm90(alibi_slopes, sq: int, sk: int) -> bool:
+    """Whether the Hopper kernels can take this call's ALiBi (or it has none): every position of
+    their blocks (up to a block past the longest sequence) below ALIBI_MAX_POSITION."""
+    return alibi_slopes is None or max(sq, sk) + 256 <= ALIBI_MAX_POSITION
+
+
+@gluon.jit
+def alibi_unit_sm90(qk_scale, HAS_SOFTCAP: gl.constexpr):
+    """What a slope is multiplied by to subtract it from the Hopper kernels' scores where ALiBi
+    meets them: after the cap, scores are in the log2 domain (log2(e)); without one they are raw
+    products, scaled by qk_scale = softmax_scale log2(e) only after the max (log2(e) / qk_scale)."""
+    return LOG2E if HAS_SOFTCAP else LOG2E / qk_scale
+
+
 @triton.jit
 def dropout_seed(Rng):
     """(key, x0, x1) of a call's Philox stream, uint32 each: the low and high words of the first

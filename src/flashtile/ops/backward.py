@@ -42,10 +42,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, launch
-from flashtile.ops._common import (LOG2E, alibi_strides, block_range, cap_derivative_sm90, capped_sm90,
-                                   dot_precision, dropout_keep, dropout_keep_sm90, dropout_seed, dropout_words_sm90,
-                                   head_chunked_order, head_dim_mask, in_window, kernel_scale, load_tile_pair,
-                                   lse_row_base, scores_log2, seq_bounds, softcap_scales, visible)
+from flashtile.ops._common import (LOG2E, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
+                                   cap_derivative_sm90, capped_sm90, dot_precision, dropout_keep, dropout_keep_sm90,
+                                   dropout_seed, dropout_words_sm90, head_chunked_order, head_dim_mask, in_window,
+                                   kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds,
+                                   softcap_scales, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
@@ -493,10 +494,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 
     hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq,
                                                                         dropout=has_dropout, softcap=softcap > 0)
-    if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, alibi_slopes, varlen) \
-            and (not accumulate_dq or tma_ok(dq)):
+    if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) \
+            and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, sq, sk):
         _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
-                     dropout, varlen, softcap)
+                     dropout, varlen, softcap, alibi_slopes)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -618,8 +619,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                       dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk, group,
                       start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap,
                       softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
-                      stride_dvh, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr,
-                      HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr):
+                      stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT: gl.constexpr,
+                      HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
     its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
@@ -627,7 +629,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     runs under S^T; no product is left in flight from one step to the next (ptxas would serialise
     every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ.
     HAS_SOFTCAP: the scores are capped (capped_sm90; qk_scale and softcap are softcap_scales')
-    and dS takes the cap's derivative, as in the Triton programs. HAS_DROPOUT: P^T and dP^T see the
+    and dS takes the cap's derivative, as in the Triton programs. HAS_ALIBI: P^T is recomputed with
+    the forward's bias (alibi_sm90; each step reads its head's slope of Slopes, (h,) or (b, h));
+    dS needs nothing more, the bias being constant in S. HAS_DROPOUT: P^T and dP^T see the
     forward's keep-mask (made while S^T is computed), dV is scaled by 1 / (1 - p) at the end, as
     in the Triton programs. IS_VARLEN: dK and dV leave through pointers, masked at the sequence's
     last key (a TMA store of the block would write its zeros over the next sequence's first keys);
@@ -657,6 +661,11 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     else:
         seed = (0, 0, 0)
     drop = (seed, b * nheads + hk * group, threshold, dropout_scale)  # bh of step i: drop[1] + i // n_m
+    if HAS_ALIBI:  # step i's slope: alibi[0] + (i // n_m) * alibi[1], times alibi[2]
+        alibi = (Slopes + b * stride_slope_b + hk * group * stride_slope_h, stride_slope_h,
+                 alibi_unit_sm90(qk_scale, HAS_SOFTCAP))
+    else:
+        alibi = (0, 0, 0.0)
     if SPLIT_D:
         if n_steps > 0:
             mbarrier.wait(kv_bar, 0)
@@ -665,7 +674,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                           q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
                                           n_m,
                                           full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, start_n,
-                                          dq_zero, drop, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_DROPOUT)
+                                          dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_DROPOUT,
+                                          HAS_ALIBI)
     elif n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
@@ -673,14 +683,15 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                     dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
                                     n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
-                                    s_zero, dq_zero, drop, HAS_LEFT, HAS_RIGHT, True, False, HAS_SOFTCAP, HAS_DROPOUT)
+                                    s_zero, dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, True, False, HAS_SOFTCAP,
+                                    HAS_DROPOUT, HAS_ALIBI)
         for i in range(1 if DEFER_DQ else 0, n_steps):
             dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                     dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
                                     n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
-                                    s_zero, dq_zero, drop, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_SOFTCAP,
-                                    HAS_DROPOUT)
+                                    s_zero, dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_SOFTCAP,
+                                    HAS_DROPOUT, HAS_ALIBI)
         if DEFER_DQ:
             last = n_steps - 1
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
@@ -724,9 +735,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
 @gluon.jit
 def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, q_ready,
                    do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
-                   diag_offset, left, right, qk_scale, softcap, key0, offs_n, s_zero, dq_zero, drop,
+                   diag_offset, left, right, qk_scale, softcap, key0, offs_n, s_zero, dq_zero, drop, alibi,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr,
-                   HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+                   HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
     and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
     step i-1's dQ first (HAS_PREV); dQ goes to batch tb, rows from q0 (_bwd_sm90_load's). Returns
@@ -759,10 +770,16 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     if HAS_DROPOUT:
         seed, bh0, threshold, dropout_scale = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
+    if HAS_ALIBI:
+        slopes, stride_slope_h, unit = alibi
+        slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
     s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
     if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
         s_t, r = capped_sm90(s_t, qk_scale, softcap)
         dcap = cap_derivative_sm90(r)
+    if HAS_ALIBI:  # the forward's bias: queries along S^T's columns, keys along its rows
+        queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
+        s_t = alibi_sm90(s_t, offs_n, queries, slope)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p_t = gl.exp2(s_t * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[None, :])
     if (start_m < full_lo) | (start_m >= full_hi):
@@ -819,8 +836,9 @@ def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero):
 @gluon.jit
 def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, q_ready,
                          do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
-                         diag_offset, left, right, qk_scale, softcap, start_n, dq_zero, drop, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+                         diag_offset, left, right, qk_scale, softcap, start_n, dq_zero, drop, alibi,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                         HAS_DROPOUT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Step i with SPLIT_D (FA3's schedule at d=256). The warpgroups split S = Q K^T and dP = dO V^T
     by keys, 32 each, and leave their columns of P and dS in shared memory; once both have, each
     takes dV += P^T dO, dK += dS^T Q and dQ = dS K in its half of the head dim, all operands from
@@ -856,10 +874,17 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
     if HAS_DROPOUT:
         seed, bh0, threshold, dropout_scale = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
+    if HAS_ALIBI:
+        slopes, stride_slope_h, unit = alibi
+        slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
         s, r = capped_sm90(s, qk_scale, softcap)
         dcap = cap_derivative_sm90(r)
+    if HAS_ALIBI:  # the forward's bias
+        queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
+        keys = start_n + half * OWN_N + gl.arange(0, OWN_N, layout=gl.SliceLayout(0, s_layout))
+        s = alibi_sm90(s, queries, keys, slope)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p = gl.exp2(s * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[:, None])
     if (start_m < full_lo) | (start_m >= full_hi):
@@ -925,10 +950,11 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
                      CuSeqQ, CuSeqK, SeqUsedK, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale, threshold,
-                     dropout_scale, total_q, total_k, softcap, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr,
-                     HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                     HAS_SEQUSED: gl.constexpr):
+                     dropout_scale, total_q, total_k, softcap, Slopes, stride_slope_b, stride_slope_h,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                     HAS_ALIBI: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch); key block 0 first, the longest with a causal mask.
     A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
     share (configs.hopper_backward_split_d). rows_pad: rows per head of the LSE and delta buffers
@@ -937,8 +963,9 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     longest: a program finds its sequence in cu_seqlens (seq_bounds); a key block past its end
     does nothing, and one that runs into the next sequence masks every step (those keys' rows of
     P^T are zero, so nothing of them reaches dQ). HAS_SOFTCAP: capped scores (capped_sm90; qk_scale
-    and softcap are softcap_scales'; softcap comes after the other scalars, so that their
-    parameter offsets, and the SASS without the flag, stay those of the kernel before it)."""
+    and softcap are softcap_scales'). HAS_ALIBI: ALiBi slopes (h,) or (b, h), fp32, with their
+    strides. softcap and the slopes come after the other scalars, so that their parameter
+    offsets, and the SASS without the flags, stay those of the kernel before them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
@@ -998,14 +1025,14 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, tb, q0, k0,
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
                              softcap, softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
-                             stride_dkh, stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
-                             HAS_DROPOUT, IS_VARLEN)),
+                             stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
+                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, tb, q0, k0,
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
                              softcap, softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
-                             stride_dkh, stride_dvn, stride_dvh, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
-                             HAS_DROPOUT, IS_VARLEN)),
+                             stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
+                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
                           rows_pad, start_n, lo, n_m)),
@@ -1015,11 +1042,11 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, alibi_slopes, varlen) -> bool:
+def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) -> bool:
     """Can _bwd_kernel_sm90 take this call? As the Hopper forward (ops.forward._hopper_supports):
-    BSHD and packed batches (dropout and softcap included) with a positive scale and no ALiBi,
-    whose inputs and dK/dV TMA can address."""
-    if softmax_scale <= 0 or alibi_slopes is not None:
+    BSHD and packed batches (dropout, softcap and ALiBi included) with a positive scale, whose
+    inputs and dK/dV TMA can address."""
+    if softmax_scale <= 0:
         return False
     if varlen is not None and varlen.block_table is not None:
         return False
@@ -1038,11 +1065,11 @@ def sm90_boxes(cfg, d: int) -> dict:
 
 
 def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq,
-                 dropout=None, varlen=None, softcap=0.0):
+                 dropout=None, varlen=None, softcap=0.0, alibi_slopes=None):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
-    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled; dropout and
-    varlen (a packed batch) and softcap as attention_backward's; delta (shaped like lse) gets delta
-    when given.
+    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled; dropout,
+    varlen (a packed batch), softcap and alibi_slopes as attention_backward's; delta (shaped like
+    lse) gets delta when given.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     h, d = q.shape[-2:]
     hk = k.shape[-2]
@@ -1077,9 +1104,11 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
         box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
         box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs,
         h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale, threshold, dropout_scale, total_q,
-        total_k, softcap2, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+        total_k, softcap2, alibi_slopes, *alibi_strides(alibi_slopes), HAS_LEFT=left is not None,
+        HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
         DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
         HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
+        HAS_ALIBI=alibi_slopes is not None,
         num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

@@ -33,10 +33,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import cdiv, current_stream, launch
-from flashtile.ops._common import (LN2, alibi_strides, block_range, capped_sm90, dot_precision, dropout_keep,
-                                   dropout_keep_sm90, dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask,
-                                   kernel_scale, load_tile_pair, lse_row_base, page_of, q_block_of, q_block_program,
-                                   scores_log2, seq_bounds, softcap_scales, visible)
+from flashtile.ops._common import (LN2, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
+                                   capped_sm90, dot_precision, dropout_keep, dropout_keep_sm90, dropout_seed,
+                                   dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale, load_tile_pair,
+                                   lse_row_base, page_of, q_block_of, q_block_program, scores_log2, seq_bounds,
+                                   softcap_scales, visible)
 
 
 @triton.jit
@@ -250,8 +251,9 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
         return out, lse
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq,
                                            softcap=softcap > 0)
-    if hopper is not None and _hopper_supports(q, k, v, out, qk_scale, alibi_slopes, varlen):
-        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap)
+    if (hopper is not None and _hopper_supports(q, k, v, out, qk_scale, varlen)
+            and alibi_fits_sm90(alibi_slopes, sq, sk)):
+        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap, alibi_slopes)
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
@@ -420,14 +422,16 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
 
 @gluon.jit
 def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, left, right,
-                     qk_scale, softcap, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     IN_FLIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                     ROWSUM_MMA: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                     qk_scale, softcap, slope, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     IN_FLIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                     HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr, HALF_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
     caller rescales and adds to, and comes back as it is. HAS_SOFTCAP: the scores are capped
-    (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_DROPOUT: the block's Philox calls
+    (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_ALIBI: after the cap, the bias
+    -slope |i + diag_offset - j| (slope in alibi_unit_sm90's units). HAS_DROPOUT: the block's Philox calls
     (head bh) are made before the wait, while S is computed; l sums P before dropout, and the
     returned p (P V's operand) has the dropped scores zeroed."""
     if HAS_DROPOUT:
@@ -436,6 +440,10 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     s_layout: gl.constexpr = qk.type.layout
     if HAS_SOFTCAP:  # capped before the max: a cap is no scale
         qk, _ = capped_sm90(qk, qk_scale, softcap)
+    if HAS_ALIBI:
+        rows = start_m + diag_offset + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
+        cols = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
+        qk = alibi_sm90(qk, rows, cols, slope)
     if (start_n < full_lo) | (start_n >= full_hi):
         offs_m = start_m + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
         offs_n = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
@@ -458,14 +466,16 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                       tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
                       qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ,
-                      CuSeqK, SeqUsedK, total_q, total_k, Sink, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                      ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                      HAS_SINK: gl.constexpr):
+                      CuSeqK, SeqUsedK, total_q, total_k, Sink, Slopes, stride_slope_b, stride_slope_h,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
+                      HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+                      IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr,
+                      HAS_ALIBI: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks. HAS_SOFTCAP: the scores are
-    capped (_fwd_sm90_scores; softcap in the log2 domain). HAS_DROPOUT: as the Triton
+    capped (_fwd_sm90_scores; softcap in the log2 domain). HAS_ALIBI: the tile's slope, of
+    Slopes (h,) or (b, h), is read once and biases every block's scores. HAS_DROPOUT: as the Triton
     kernel, P V sees the keep-mask and l does not; a block's Philox calls are made while its S
     is computed. ROWSUM_MMA (three consumers): l is an [HALF_M, 8] accumulator of P times `ones`,
     whose 8 columns are equal, a product beside P V instead of an addition per score. IS_VARLEN:
@@ -498,6 +508,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
             CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED)
         diag_offset = sk_b - sq_b
         row0 = start_m + half * HALF_M
+        if HAS_ALIBI:
+            slope = gl.load(Slopes + b * stride_slope_b + h * stride_slope_h) * alibi_unit_sm90(qk_scale, HAS_SOFTCAP)
+        else:
+            slope = 0.0
         acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         if ROWSUM_MMA:
@@ -514,9 +528,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                 k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                 p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b, diag_offset,
-                                                      left, right, qk_scale, softcap, seed, b * nheads + h, threshold,
-                                                      HAS_LEFT, HAS_RIGHT, 0, HAS_SOFTCAP, HAS_DROPOUT, False, HALF_M,
-                                                      BLOCK_N)
+                                                      left, right, qk_scale, softcap, slope, seed, b * nheads + h,
+                                                      threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_SOFTCAP, HAS_ALIBI,
+                                                      HAS_DROPOUT, False, HALF_M, BLOCK_N)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
                     prev = (it + j - 1) % NUM_STAGES
@@ -529,9 +543,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
                     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk_b, diag_offset, left, right, qk_scale, softcap, seed,
-                                                          b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1, HAS_SOFTCAP,
-                                                          HAS_DROPOUT, False, HALF_M, BLOCK_N)
+                                                          sk_b, diag_offset, left, right, qk_scale, softcap, slope,
+                                                          seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1,
+                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M, BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     # P_{j-1} is a register operand of the product in flight: it stays untouched until the
                     # product is done
@@ -552,9 +566,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                     s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk_b, diag_offset, left, right, qk_scale, softcap, seed,
-                                                          b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_SOFTCAP,
-                                                          HAS_DROPOUT, ROWSUM_MMA, HALF_M, BLOCK_N)
+                                                          sk_b, diag_offset, left, right, qk_scale, softcap, slope,
+                                                          seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
+                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, ROWSUM_MMA, HALF_M,
+                                                          BLOCK_N)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                     if ROWSUM_MMA:
@@ -602,16 +617,19 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
 @gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k"])
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, stride_ob,
                      stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, softcap,
-                     threshold, dropout_scale, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                     HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr,
-                     IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr):
+                     threshold, dropout_scale, total_q, total_k, Slopes, stride_slope_b, stride_slope_h,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                     HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
+                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
     leaves while the next one's Q and K/V come in. IS_VARLEN: the batch is packed (q_desc, k_desc
     and v_desc over (1, total, heads, d) views), `batch` counts its sequences and sq / sk are the
     longest ones (the Triton kernel's flag). HAS_SINK: Sink, the (h,) attention sink, as there.
-    HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are softcap_scales')."""
+    HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_ALIBI:
+    ALiBi slopes (h,) or (b, h), fp32, with their strides (after the other scalars, so that their
+    parameter offsets, and the SASS without the flag, stay those of the kernel before it)."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -656,23 +674,23 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
-                                 HAS_SEQUSED,
-                                 HAS_SINK)),
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
+                                 HAS_ALIBI)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
-                                 HAS_SEQUSED,
-                                 HAS_SINK)),
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
+                                 HAS_ALIBI)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
-                                 HAS_SEQUSED,
-                                 HAS_SINK)),
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
+                                 HAS_ALIBI)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
@@ -684,16 +702,16 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
                                  v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
-                                 HAS_SEQUSED,
-                                 HAS_SINK)),
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
+                                 HAS_ALIBI)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 HAS_LEFT, HAS_RIGHT, PERSISTENT, HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN,
-                                 HAS_SEQUSED,
-                                 HAS_SINK)),
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
+                                 HAS_ALIBI)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
                               sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
@@ -709,12 +727,12 @@ def tma_ok(t) -> bool:
             and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
-def _hopper_supports(q, k, v, out, qk_scale, alibi_slopes, varlen) -> bool:
+def _hopper_supports(q, k, v, out, qk_scale, varlen) -> bool:
     """Can _fwd_kernel_sm90 take this call? BSHD batches and packed ones without a page table
-    (dropout, softcap and sinks included) with a positive scale (its row max is taken on raw
-    products, or with softcap on scores that rise with them) and without ALiBi, whose inputs TMA
-    can address and whose output has a contiguous head dim."""
-    if qk_scale <= 0 or alibi_slopes is not None:
+    (dropout, softcap, ALiBi and sinks included) with a positive scale (its row max is taken on raw
+    products, or with softcap on scores that rise with them), whose inputs TMA can address and
+    whose output has a contiguous head dim."""
+    if qk_scale <= 0:
         return False
     if varlen is not None and varlen.block_table is not None:
         return False
@@ -760,12 +778,13 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None, sink=None, softcap=0.0):
+def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None, sink=None, softcap=0.0,
+                 alibi_slopes=None):
     """Tiles of cfg.block_m rows, 64 per consumer warpgroup (configs.hopper_forward_consumers;
     cfg.num_warps = 4 each); cfg.num_stages K/V buffers; a program per SM walking tiles where
     configs.hopper_forward_persistent says so, else a program per tile. dropout, varlen (a packed
-    batch without a page table) and sink as attention_forward's; qk_scale and softcap as
-    kernel_scale gives them."""
+    batch without a page table), sink and alibi_slopes as attention_forward's; qk_scale and softcap
+    as kernel_scale gives them."""
     if softcap > 0:
         qk_scale, softcap = softcap_scales(qk_scale, softcap)
     h, d = q.shape[-2:]
@@ -784,9 +803,10 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
                            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3],
                            sink, *out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
-                           softcap, threshold, dropout_scale, total_q, total_k, HAS_LEFT=left is not None,
-                           HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-                           Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=persistent,
-                           HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
-                           HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None, num_warps=cfg.num_warps,
+                           softcap, threshold, dropout_scale, total_q, total_k, alibi_slopes,
+                           *alibi_strides(alibi_slopes), HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
+                           NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(d),
+                           PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
+                           CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
+                           HAS_SINK=sink is not None, HAS_ALIBI=alibi_slopes is not None, num_warps=cfg.num_warps,
                            maxnreg=hopper_forward_maxnreg(consumers))
