@@ -82,6 +82,9 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     16k 217 / 235, 241 / 237, 250 / 250 TFLOP/s (three exponential-unit operations a score where
     the products of 64 columns take half d=128's time), so a capped causal d=64 keeps the Triton
     kernel. (The backward's Hopper kernel is 1.20-1.59x its Triton programs with a cap everywhere.)
+    With ALiBi (prefill.json section alibi, eb02e29, this kernel / the Triton kernel at 1k / 4k /
+    16k) d=128 1.24-1.31x, causal 1.09-1.31x; d=256 1.23-1.24x, causal 4k / 16k 1.31 / 1.28x;
+    d=64 0.96 / 1.04 / 1.08x, causal 4k / 16k 1.01 / 1.12x: the cuts above stand.
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
@@ -156,7 +159,8 @@ def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) 
     too: the Philox calls of a 128-row block spill 484 bytes, and at 4k the backward measured
     4.72 / 2.71 ms (non-causal / causal) against 5.43 / 4.18 with 128 rows (NOTES.md "Dropout in
     the Hopper kernels"). So does softcap, whose cap derivative beside a 128-row S^T spills
-    1512 bytes (0 with 64 rows)."""
+    1512 bytes (0 with 64 rows). ALiBi keeps 128 rows (164 / 496 bytes spilled, causal): 1.08x
+    the 64-row blocks non-causal, level causal (alibi_costs.txt)."""
     if d == 256:
         return BlockConfig(64, 64, 4, 2)
     return BlockConfig(128, 128, 4, 2) if d == 64 and not (dropout or softcap) else BlockConfig(64, 128, 4, 2)
