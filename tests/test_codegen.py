@@ -100,40 +100,33 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
     assert report["shared_bytes"] <= 227 * 1024, report
 
 
+# spill bounds of the score modifiers' tests below, by kernel and head dim
+MODIFIER_SPILLS = {
+    "--softcap": {"forward-sm90": {64: 24, 128: 208, 256: 24}, "backward-sm90": {64: 0, 128: 560, 256: 16}},
+    "--alibi": {"forward-sm90": {64: 128, 128: 256, 256: 16}, "backward-sm90": {64: 496, 128: 432, 256: 68}},
+}
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kernel", ["forward-sm90", "backward-sm90"])
-def test_hopper_kernels_compile_with_softcap(kernel, d):
-    """HAS_SOFTCAP in both Hopper kernels (alone, causal, with dropout, packed): asynchronous
-    wgmmas, the register split and shared memory of the kernels without it; with the flag off the
-    SASS of both is the one before the flag (NOTES.md "Softcap on the Hopper kernels"). Spills: the
-    forward within its dense bound (24 bytes at d=256 with dropout); the backward at d=128 156 /
-    284 bytes, causal, 556 with dropout (the cap's derivative, 32 registers per thread from the
+@pytest.mark.parametrize("modifier", ["--softcap", "--alibi"])
+def test_hopper_kernels_compile_with_score_modifiers(modifier, kernel, d):
+    """HAS_SOFTCAP and HAS_ALIBI in both Hopper kernels (alone, causal, with dropout, packed; ALiBi
+    also capped): asynchronous wgmmas, the register split and shared memory of the kernels without
+    them, and no int-to-float conversion per column of a block (alibi_sm90 makes those floats by
+    an integer add; the PTX keeps at most 12, the rows', where one per column made 138 in the d=128
+    ALiBi forward's SASS). With the flags off the SASS of both is the one before them (NOTES.md
+    "Softcap on the Hopper kernels", "ALiBi on the Hopper kernels"). Spills, softcap: the forward
+    within its dense bound (24 bytes at d=256 with dropout); the backward at d=128 156 / 284
+    bytes, causal, 556 with dropout (the cap's derivative, 32 registers per thread from the
     exponentials to dV's operand, beside dK, dV and the dP^T in flight), none at d=64, whose
-    softcap steps take 64-row Q blocks (1512 bytes with 128 rows)."""
-    for extra in ([], ["--causal"], ["--causal", "--dropout"], ["--causal", "--varlen"]):
-        report = memory_ops(kernel, d, "--softcap", *extra)
-        bound = {"forward-sm90": {64: 24, 128: 208, 256: 24}, "backward-sm90": {64: 0, 128: 560, 256: 16}}[kernel][d]
-        assert report["spill_bytes"] <= bound, (extra, report)
-        assert not report["wgmma_serialised"], (extra, report)
-        assert {24, 160 if (kernel, d) == ("forward-sm90", 64) else 240} <= set(report["setmaxnreg"]), report
-        assert report["shared_bytes"] <= 227 * 1024, report
-
-
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("kernel", ["forward-sm90", "backward-sm90"])
-def test_hopper_kernels_compile_with_alibi(kernel, d):
-    """HAS_ALIBI in both Hopper kernels (alone, causal, with dropout, packed, capped): asynchronous
-    wgmmas, the register split and shared memory of the kernels without it, and no int-to-float
-    conversion per column of a block (alibi_sm90 makes those floats by an integer add; the PTX
-    keeps at most 12, the rows', where one per column made 138 in the d=128 forward's SASS); with
-    the flag off the SASS of both is the one before the flag (NOTES.md "ALiBi on the Hopper
-    kernels"). Spills: the
-    forward within 252 bytes (d=128 with dropout), the backward up to 496 at d=64, whose 128-row
-    Q blocks measured 1.08x the 64-row ones without a cap (level causal) in spite of them."""
-    for extra in ([], ["--causal"], ["--causal", "--dropout"], ["--causal", "--varlen"], ["--causal", "--softcap"]):
-        report = memory_ops(kernel, d, "--alibi", *extra)
-        bound = {"forward-sm90": {64: 128, 128: 256, 256: 16}, "backward-sm90": {64: 496, 128: 432, 256: 68}}[kernel][d]
-        assert report["spill_bytes"] <= bound, (extra, report)
+    softcap steps take 64-row Q blocks (1512 bytes with 128 rows). ALiBi: the forward within 252
+    bytes (d=128 with dropout), the backward up to 496 at d=64, whose 128-row Q blocks measured
+    1.08x the 64-row ones (level causal) in spite of them."""
+    extras = [[], ["--causal"], ["--causal", "--dropout"], ["--causal", "--varlen"]]
+    for extra in extras + ([["--causal", "--softcap"]] if modifier == "--alibi" else []):
+        report = memory_ops(kernel, d, modifier, *extra)
+        assert report["spill_bytes"] <= MODIFIER_SPILLS[modifier][kernel][d], (extra, report)
         assert not report["wgmma_serialised"], (extra, report)
         assert {24, 160 if (kernel, d) == ("forward-sm90", 64) else 240} <= set(report["setmaxnreg"]), report
         assert report["shared_bytes"] <= 227 * 1024, report
