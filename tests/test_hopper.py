@@ -97,12 +97,21 @@ def test_alibi_positions_the_hopper_kernels_take():
     (test_hopper_cuda.py's test_alibi_longest_keys on the H100)."""
     from flashtile.ops._common import ALIBI_MAX_POSITION, alibi_fits_sm90
 
+    def qk(rows, keys, packed=False):  # shapes only
+        if packed:
+            return torch.empty(rows, 4, 64, device="meta"), torch.empty(keys, 1, 64, device="meta")
+        return torch.empty(2, rows, 4, 64, device="meta"), torch.empty(2, keys, 1, 64, device="meta")
+
     slopes = torch.rand(4)
+    limit = ALIBI_MAX_POSITION - 256
     assert ALIBI_MAX_POSITION == 2 ** 22
-    assert alibi_fits_sm90(None, 2 ** 30, 2 ** 30)
-    assert alibi_fits_sm90(slopes, 128, ALIBI_MAX_POSITION - 256)
-    assert not alibi_fits_sm90(slopes, 128, ALIBI_MAX_POSITION - 255)
-    assert not alibi_fits_sm90(slopes, ALIBI_MAX_POSITION, 128)
+    assert alibi_fits_sm90(None, *qk(2 ** 30, 2 ** 30), None)
+    assert alibi_fits_sm90(slopes, *qk(128, limit), None)
+    assert not alibi_fits_sm90(slopes, *qk(128, limit + 1), None)
+    assert not alibi_fits_sm90(slopes, *qk(limit + 1, 128), None)
+    # a packed batch by its totals, whatever its max_seqlen says
+    assert alibi_fits_sm90(slopes, *qk(limit, 128, packed=True), "varlen")
+    assert not alibi_fits_sm90(slopes, *qk(128, limit + 1, packed=True), "varlen")
 
 
 def test_supports_packed_batches():

@@ -341,7 +341,9 @@ def alibi_slopes(nheads: int, device) -> torch.Tensor:
 def _with_alibi(name: str, on: bool):
     """(q, k, v, causal) -> out of a peer with ALiBi's bias (on) or without it (flashtile only).
     The slopes (and SDPA's bias) are made once per shape, outside the timed calls: a model makes
-    them once, and a tensor built from a list on every call would time a host-to-device copy."""
+    them once, and a tensor built from a list on every call would time a host-to-device copy. The
+    bias (h, sq, sk) exists before `measure` takes its memory baseline: sdpa-bias's peak memory
+    leaves it out."""
     import flashtile
 
     slopes = {}
@@ -364,8 +366,13 @@ def _with_alibi(name: str, on: bool):
                 sq, sk = q.shape[1], k.shape[1]
                 i = torch.arange(sq, device=q.device)[:, None] + sk - sq
                 j = torch.arange(sk, device=q.device)[None, :]
-                bias = -slopes_of(q)[:, None, None] * (i - j).abs()
-                biases[key] = (bias.masked_fill(j > i, float("-inf")) if causal else bias).to(q.dtype)
+                dist = (i - j).abs().float()
+                bias = torch.empty(q.shape[2], sq, sk, dtype=q.dtype, device=q.device)
+                for head, slope in enumerate(slopes_of(q).tolist()):  # fp32 products, one head's at a time
+                    bias[head] = dist * -slope
+                if causal:
+                    bias.masked_fill_(j > i, float("-inf"))
+                biases[key] = bias
             out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                                    v.transpose(1, 2), attn_mask=biases[key])
             return out.transpose(1, 2)

@@ -4,7 +4,7 @@ plot() draws prefill.png (forward and backward TFLOP/s against seqlen, one row o
 dim, causal and not) and prefill_memory.png (peak memory above the inputs, fwd + bwd, causal, d=128
 when present) from the dense rows. summary() is prefill.md: flashtile's TFLOP/s beside each peer's,
 flashtile / peer, flashtile / the faster of cuDNN and FA4 (when FA4 ran), peak memory against FA2,
-then the varlen, sink and dropout sections. Both read only the json, so they run off the GPU
+then the varlen, sink, softcap, ALiBi and dropout sections. Both read only the json, so they run off the GPU
 (`python -m flashtile.bench.prefill --out DIR --plot-only`); prefill.py measures and writes it.
 """
 

@@ -495,7 +495,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq,
                                                                         dropout=has_dropout, softcap=softcap > 0)
     if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) \
-            and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, sq, sk):
+            and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, q, k, varlen):
         _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
                      dropout, varlen, softcap, alibi_slopes)
         return dq, dk, dv

@@ -252,7 +252,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq,
                                            softcap=softcap > 0)
     if (hopper is not None and _hopper_supports(q, k, v, out, qk_scale, varlen)
-            and alibi_fits_sm90(alibi_slopes, sq, sk)):
+            and alibi_fits_sm90(alibi_slopes, q, k, varlen)):
         _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap, alibi_slopes)
         return out, lse
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
@@ -287,7 +287,9 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # TFLOP/s at d=64 2k / 4k / 8k / 16k 424 / 438 / 443 / 437 -> 449 / 470 / 497 / 489, causal 8k /
 # 16k 425 / 434 -> 443 / 452 (ab_three_consumers.txt, medians of three alternating rounds).
 # Their row sums l are taken by the tensor cores (P times an [N, 8] tile of ones, beside P V), 64 FADDs a
-# row block fewer: 1k-8k +1-3%, causal level (ab_forward_rowsum_mma.txt, medians of five).
+# row block fewer: 1k-8k +1-3%, causal level (ab_forward_rowsum_mma.txt, medians of five); each
+# block's product starts from zero and is added to l in registers (4 FADDs a thread), as the
+# tensor cores' own accumulation over thousands of blocks drifted low (ab_forward_rowsum_fresh.txt).
 # Masks and block ranges are the Triton kernel's helpers, and so are IS_VARLEN (a packed batch's
 # tiles find their sequences in cu_seqlens and the copy engine reads the packed tensors as one
 # sequence of all the rows: varlen forward + backward 376 / 296 -> 482 / 399 TFLOP/s) and
