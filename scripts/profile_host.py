@@ -249,6 +249,9 @@ def main(out=None):
             g = tuple(grid) + (1,) * (3 - len(grid))
             row("  CompiledKernel.run direct (a cached launch's hit)", lambda: compiled.run(
                 g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *bound))
+            pointers = [_launch._pointer(a) for a in bound]
+            row("  CompiledKernel.run direct, tensors passed as addresses", lambda: compiled.run(
+                g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *pointers))
 
         try:
             binder_rows()
@@ -267,6 +270,19 @@ def main(out=None):
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
     lines.append("cProfile, 500 calls of flash_attn_with_kvcache (paged16, append 1), by own time:")
     lines.append(s.getvalue())
+    if cuda:  # the prefill API's host path: forward + backward of a tiny causal call
+        x = [torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        do = torch.randn_like(x[0])
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            torch.autograd.grad(flashtile.flash_attn_func(*x, causal=True), x, do)
+        harness.synchronize()
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+        lines.append("cProfile, 200 calls of flash_attn_func forward + backward (1 x 128, h16 d128, causal), by own time:")
+        lines.append(s.getvalue())
     text = "\n".join(lines)
     print(text[text.index("cProfile"):])
     if out:

@@ -206,3 +206,41 @@ def test_forward_persistent():
     """Persistent where two Q buffers fit (d <= 128), a program per tile at d=256."""
     assert configs.hopper_forward_persistent(64) and configs.hopper_forward_persistent(128)
     assert not configs.hopper_forward_persistent(256)
+
+
+@pytest.mark.parametrize("extras", ["plain", "every option"])
+def test_hopper_launches_bind_the_kernels_arguments(monkeypatch, extras):
+    """_launch_sm90 (forward and backward) hands ops._launch.launch the kernel's pointer and
+    descriptor arguments first, then its scalars, one for each parameter in signature order, and
+    every constexpr by name; each Box makes the checked descriptor Triton's path gets."""
+    from flashtile.ops import _launch, backward
+    from flashtile.reference.dropout import draw_rng
+
+    calls = []
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, tensors, scalars, *a, **kw: calls.append(
+            (kernel, tensors, scalars, kw)))
+    monkeypatch.setattr(forward, "tile_counter", lambda device: torch.zeros(1, dtype=torch.int32))
+    q, k, v = qkv(b=2, s=256, h=4, d=128)
+    out, lse, dout = torch.empty_like(q), torch.empty(2, 4, 256), torch.randn_like(q)
+    dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty(2, 4, 256)
+    options = {} if extras == "plain" else dict(dropout=(0.1, draw_rng(torch.device("cpu"))), softcap=30.0,
+                                                alibi_slopes=torch.rand(4))
+    forward._launch_sm90(q, k, v, out, lse, configs.hopper_forward_tiles(128), 0.1, None, 0,
+                         sink=None if extras == "plain" else torch.zeros(4), **options)
+    backward._launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, configs.hopper_backward_tiles(128), 0.1,
+                          None, 0, False, **options)
+    hopper = [c for c in calls if c[0] in (forward._fwd_kernel_sm90, backward._bwd_kernel_sm90)]
+    assert [c[0] for c in hopper] == [forward._fwd_kernel_sm90, backward._bwd_kernel_sm90]
+    for kernel, tensors, scalars, kw in hopper:
+        runtime = [p.name for p in kernel.params if not p.is_constexpr]
+        constexprs = {p.name for p in kernel.params if p.is_constexpr}
+        assert [p.is_constexpr for p in kernel.params] == [False] * len(runtime) + [True] * len(constexprs)
+        assert len(tensors) + len(scalars) == len(runtime)
+        assert set(kw) - {"maxnreg"} == constexprs
+        assert all(t is None or isinstance(t, (torch.Tensor, _launch.Box)) for t in tensors)
+        assert all(type(x) in (int, float) for x in scalars)
+        slopes = runtime.index("Slopes")
+        assert (tensors[slopes] is None) == (extras == "plain")
+        descriptors = [t for t in _launch._for_triton(tensors) if t is not None and not isinstance(t, torch.Tensor)]
+        assert len(descriptors) == sum(n.endswith("_desc") for n in runtime)

@@ -183,3 +183,31 @@ def test_a_kernel_without_scratch_is_launched_by_the_c_function(monkeypatch, scr
     else:
         assert calls == [("c", (2, 1, 1, 77, "fn", False, True, None, None, "meta", None, None, None, x, x, 5, 0.5,
                                 True, 1))]
+
+
+def test_a_hit_passes_tensors_as_addresses_and_boxes_as_they_are(kernel):
+    """On a cached hit a torch tensor goes to the launcher as its address (no data_ptr call and
+    driver query per argument there); a Box goes as it is, and Triton's path gets its checked
+    descriptor; a Box's key is its dtype, block shape and layout."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    from flashtile.ops.forward import tma_box_layout
+
+    base = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    layout = tma_box_layout(16, 64, torch.float16)
+
+    def box():
+        return _launch.Box(base, base.shape, base.stride(), (1, 16, 1, 64), layout)
+
+    x, y = FakeTensor(1024), torch.zeros(8)
+    for _ in range(2):
+        _launch.launch(kernel, (1,), (x, y, box()), (5,), 4, None, maxnreg=128, A=1, B=True)
+    (_, args, kwargs), = kernel.triton_calls
+    assert isinstance(args[2], GluonTensorDescriptor) and args[2].block_shape == [1, 16, 1, 64]
+    assert kwargs == dict(A=1, B=True, num_warps=4, maxnreg=128)  # no num_stages: a Gluon kernel's launch
+    (hit,) = kernel.direct_calls
+    assert hit[9] is x and hit[10] == y.data_ptr() and type(hit[11]) is _launch.Box
+    assert box().key == box().key != _launch.Box(base, base.shape, base.stride(), (1, 32, 1, 64), layout).key
+    _launch.launch(kernel, (1,), (x, y, box()), (5,), 4, None, maxnreg=96, A=1, B=True)
+    assert len(kernel.triton_calls) == 2  # another register budget is another binary

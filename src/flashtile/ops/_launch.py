@@ -20,13 +20,19 @@ Triton's path does not return as a compiled kernel, every call takes Triton's pa
 `Prepared` is the same cache for a launch whose trailing arguments are fixed in advance (the
 decoding plan's): their part of the key is hashed once, and each call keys only its own tensors
 and strides.
+
+A Gluon kernel's TMA descriptors go in as `Box`es: the descriptor's fields without its checks.
+Triton's path gets real descriptors made from them (checked there, once per key); a cached launch
+hands the Box itself to the launcher, which reads the same fields to encode the descriptor.
 """
 
 from __future__ import annotations
 
 import itertools
 
+import torch
 import triton
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 MAX_ENTRIES = 512  # per kernel
@@ -47,13 +53,49 @@ def current_stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
 
+class Box:
+    """A Gluon TMA descriptor's arguments (gluon.nvidia.hopper.TensorDescriptor: base tensor, shape,
+    strides, block shape, shared layout; zero padding) without the descriptor's checks, which cost
+    more host time than a cached launch (~10 us on the H100 machine's host). `descriptor()` makes
+    the checked descriptor for Triton's path; the compiled launcher takes the Box as it is (it reads
+    base, shape, strides and padding). Each launch site builds its Boxes from tensors that the real
+    descriptor accepts for the first call with that key (16-byte aligned base and strides, a
+    contiguous last dimension: ops.forward.tma_ok), and `key` (dtype, block shape, layout) is what
+    Triton specialises a descriptor on."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "key")
+    padding = "zero"
+
+    def __init__(self, base: torch.Tensor, shape, strides, block_shape: tuple, layout):
+        self.base, self.shape, self.strides, self.block_shape, self.layout = base, shape, strides, block_shape, layout
+        self.key = ("box", base.dtype, block_shape, layout)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.base.is_cuda
+
+    def get_device(self) -> int:
+        return self.base.get_device()
+
+    def descriptor(self) -> GluonTensorDescriptor:
+        return GluonTensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                     self.layout)
+
+
 def _tensor_key(t):
     """What Triton specialises a pointer or TMA descriptor argument on."""
     if t is None:
         return None
+    if type(t) is Box:
+        return t.key
     if isinstance(t, TensorDescriptor):
         return ("desc", t.base.dtype, tuple(t.block_shape), t.padding)
     return (t.dtype, t.data_ptr() % 16 == 0)
+
+
+def _for_triton(tensors: tuple) -> tuple:
+    """The tensor arguments as Triton's own path takes them: each Box as its checked descriptor."""
+    return tuple(t.descriptor() if type(t) is Box else t for t in tensors)
 
 
 def _scalar_classes(scalars: tuple) -> tuple:
@@ -64,22 +106,26 @@ def _scalar_classes(scalars: tuple) -> tuple:
                  else float if type(x) is float else x for x in scalars)
 
 
-def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
-           launch_pdl: bool = False, **constexprs):
+def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int | None,
+           launch_pdl: bool = False, maxnreg: int | None = None, **constexprs):
     """kernel[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...), cached.
 
-    tensors: the kernel's leading pointer arguments (None for an absent optional tensor), scalars:
-    the int/float arguments after them, in signature order; every constexpr by keyword. Each call
-    site passes the same Python type at each position (an int never becomes a float or a bool).
+    tensors: the kernel's leading pointer and descriptor arguments (None for an absent optional
+    tensor; a Gluon TMA descriptor as a Box), scalars: the int/float arguments after them, in
+    signature order; every constexpr by keyword. Each call site passes the same Python type at
+    each position (an int never becomes a float or a bool).
+    num_stages: None for a Gluon kernel (it pipelines by hand; the option does not apply).
     launch_pdl: launch as a programmatic dependent of the previous kernel in the stream (sm_90+;
-    the kernel must gdc_wait before it reads what that kernel writes).
+    the kernel must gdc_wait before it reads what that kernel writes). maxnreg: the registers a
+    thread may take (Gluon's warp-specialised kernels), None for the compiler's choice.
     """
     hooks = triton.knobs.runtime
-    options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
+    options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+                   **({"launch_pdl": True} if launch_pdl else {}), **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not tensors[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-        return kernel[grid](*tensors, *scalars, **constexprs, **options)
+        return kernel[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
     device = tensors[0].get_device()
-    rest = (num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
+    rest = (num_warps, num_stages, launch_pdl, maxnreg, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
     _cached_launch(kernel, (device, scalars, *rest), grid, tensors, scalars, constexprs, options, device,
                    general=lambda: ("class", device, _scalar_classes(scalars), *rest))
 
@@ -96,7 +142,7 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
         general_key = general()
         hit = cache.get(general_key)
         if hit is None:
-            compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
+            compiled = kernel[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
             if isinstance(compiled, triton.compiler.CompiledKernel):
                 names = [p.name for p in kernel.params]
                 tail = names[len(tensors) + len(scalars):]
@@ -109,7 +155,17 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
         cache[key] = hit
     run, function, head, tail = hit
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-    run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head, *tensors, *scalars, *tail)
+    run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head, *map(_pointer, tensors),
+        *scalars, *tail)
+
+
+def _pointer(t):
+    """A tensor argument as the compiled launcher takes it on a cached hit: a plain tensor as its
+    address. Given a tensor, the launcher calls its data_ptr and then asks the driver whether the
+    address is device memory (cuPointerGetAttribute) on every launch; given an int it does neither.
+    That check already ran when Triton's path launched this key first, and the callers check every
+    tensor's device. Anything else (None, a TMA descriptor, a tensor subclass) goes as it is."""
+    return t.data_ptr() if type(t) is torch.Tensor else t
 
 
 def _direct(compiled) -> tuple:
@@ -170,7 +226,7 @@ class Prepared:
         every = tensors + self.tensors
         hooks = triton.knobs.runtime
         if not every[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-            self.kernel[self.grid](*every, *scalars, *self.scalars, **self.constexprs, **self.options)
+            self.kernel[self.grid](*_for_triton(every), *scalars, *self.scalars, **self.constexprs, **self.options)
             return
         device = every[0].get_device()
         if key is None:

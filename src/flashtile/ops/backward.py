@@ -36,12 +36,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
-from flashtile.ops._launch import cdiv, launch
+from flashtile.ops._launch import Box, cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
                                    cap_derivative_sm90, capped_sm90, dot_precision, dropout_keep, dropout_keep_sm90,
                                    dropout_seed, dropout_words_sm90, head_chunked_order, head_dim_mask, in_window,
@@ -948,9 +947,9 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
 
 @gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k"])
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
-                     CuSeqQ, CuSeqK, SeqUsedK, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+                     CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale, threshold,
-                     dropout_scale, total_q, total_k, softcap, Slopes, stride_slope_b, stride_slope_h,
+                     dropout_scale, total_q, total_k, softcap, stride_slope_b, stride_slope_h,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
@@ -963,9 +962,9 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     longest: a program finds its sequence in cu_seqlens (seq_bounds); a key block past its end
     does nothing, and one that runs into the next sequence masks every step (those keys' rows of
     P^T are zero, so nothing of them reaches dQ). HAS_SOFTCAP: capped scores (capped_sm90; qk_scale
-    and softcap are softcap_scales'). HAS_ALIBI: ALiBi slopes (h,) or (b, h), fp32, with their
-    strides. softcap and the slopes come after the other scalars, so that their parameter
-    offsets, and the SASS without the flags, stay those of the kernel before them."""
+    and softcap are softcap_scales'). HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with
+    their strides. Pointers and descriptors come before the scalars, as ops._launch.launch passes
+    them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
@@ -1085,12 +1084,12 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            pre.num_stages, BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True, IS_VARLEN=packed)
     dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     # a packed batch's dK / dV leave through pointers (the kernel's IS_VARLEN epilogue)
-    grad_ptrs = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else (None, None, 0, 0, 0, 0)
+    grad_ptrs, grad_strides = ((dk, dv), (*dk.stride()[:2], *dv.stride()[:2])) if packed else ((None, None), (0,) * 4)
     if packed:  # one sequence of all the rows for the copy engine; the kernel finds each
         q, k, v, dout, dk, dv, dq_acc_rows = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv, dq_acc))
     else:
         dq_acc_rows = dq_acc
-    rows = [GluonTensorDescriptor(t, [t.numel()], [1], [cfg.block_m], ROW_LAYOUT) for t in stats]
+    rows = [Box(t, (t.numel(),), (1,), (cfg.block_m,), ROW_LAYOUT) for t in stats]
     boxes = sm90_boxes(cfg, d)
 
     def box(t, name):
@@ -1100,15 +1099,14 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     qk_scale, softcap2 = kernel_scale(softmax_scale, softcap)
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
-    _bwd_kernel_sm90[(cdiv(sk, cfg.block_n), hk, b)](
-        box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows,
-        box(dk, "dk_desc"), box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs,
-        h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale, threshold, dropout_scale, total_q,
-        total_k, softcap2, alibi_slopes, *alibi_strides(alibi_slopes), HAS_LEFT=left is not None,
-        HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-        DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
-        HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
-        HAS_ALIBI=alibi_slopes is not None,
-        num_warps=cfg.num_warps, maxnreg=HOPPER_MAXNREG)
+    launch(_bwd_kernel_sm90, (cdiv(sk, cfg.block_n), hk, b),
+           (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
+            box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes),
+           (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale, threshold,
+            dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
+           cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
+           NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(d),
+           SPLIT_D=configs.hopper_backward_split_d(d), HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
+           IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale, out=dq)

@@ -88,7 +88,7 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if capability(device) != (9, 0):
         return None
     if seqlen_q < 128 or (d == 64 and seqlen_k < (4096 if causal else 1024)) or (d == 64 and causal and softcap):
         return None
@@ -142,7 +142,7 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
     """
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
         return None
-    if torch.cuda.get_device_capability(device) != (9, 0) or seqlen_q < 128:
+    if capability(device) != (9, 0) or seqlen_q < 128:
         return None
     return hopper_backward_tiles(d, dropout, softcap)
 
@@ -213,7 +213,7 @@ def supports_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` can be programmatic dependent launches (sm_90 and later): the
     backward's dK/dV launch after its dQ launch, and a decoding call's combine kernel after its
     split kernel, whose programs are then resident when the split kernel ends (no launch gap)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,6 +295,20 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 8  # >= 8 key tiles per split (see decode_num_spli
 DECODE_FUSED_MAX_SPLITS = 8  # the split kernel merges up to this many splits itself (decode_fuse_combine)
 DECODE_MERGE_UNROLL = 4  # splits whose partial tiles the fused merge loads at once
 NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same split choices
+
+
+def capability(device: torch.device) -> tuple:
+    """A CUDA device's compute capability, (9, 0) on the H100. torch's query costs ~10 us of host
+    time on the H100 machine, on every launch's path: a device with an index (every CUDA tensor's)
+    is asked once."""
+    if device.index is None:  # "cuda": whichever device is current now
+        return torch.cuda.get_device_capability(device)
+    return _capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)

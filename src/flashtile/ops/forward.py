@@ -28,11 +28,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from flashtile import _checks
 from flashtile.ops import configs
-from flashtile.ops._launch import cdiv, current_stream, launch
+from flashtile.ops._launch import Box, cdiv, current_stream, launch
 from flashtile.ops._common import (LN2, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
                                    capped_sm90, dot_precision, dropout_keep, dropout_keep_sm90, dropout_seed,
                                    dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale, load_tile_pair,
@@ -623,9 +622,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
 
 
 @gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k"])
-def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, stride_ob,
-                     stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale, softcap,
-                     threshold, dropout_scale, total_q, total_k, Slopes, stride_slope_b, stride_slope_h,
+def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes,
+                     stride_ob, stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale,
+                     softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -636,8 +635,8 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
     and v_desc over (1, total, heads, d) views), `batch` counts its sequences and sq / sk are the
     longest ones (the Triton kernel's flag). HAS_SINK: Sink, the (h,) attention sink, as there.
     HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_ALIBI:
-    ALiBi slopes (h,) or (b, h), fp32, with their strides (after the other scalars, so that their
-    parameter offsets, and the SASS without the flag, stay those of the kernel before it)."""
+    Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. Pointers and descriptors come
+    before the scalars, as ops._launch.launch passes them."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -757,14 +756,13 @@ def tma_box_layout(rows: int, d: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _GL_DTYPES.get(dtype, dtype))
 
 
-def box_descriptor(t, rows: int, cols: int | None = None) -> GluonTensorDescriptor:
+def box_descriptor(t, rows: int, cols: int | None = None) -> Box:
     """A TMA descriptor over a BSHD tensor whose box is `rows` positions of one head (and `cols` of
     its head dim, all by default): rows past the sequence's end read as zeros and are not written
     (never the next batch's rows). A packed batch, viewed as (1, total, heads, d), reads on into
     the next sequence's rows there: the kernels mask them."""
     cols = t.shape[-1] if cols is None else cols
-    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols],
-                                 tma_box_layout(rows, cols, t.dtype))
+    return Box(t, t.shape, t.stride(), (1, rows, 1, cols), tma_box_layout(rows, cols, t.dtype))
 
 
 _TILE_COUNTERS = {}  # (device, CUDA stream) -> the int32 tile counter of _fwd_kernel_sm90's launches there
@@ -808,13 +806,13 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     grid = (min(n_tiles, configs.num_sms(q.device)) if persistent else n_tiles, )
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     consumers = configs.hopper_forward_consumers(d)
-    _fwd_kernel_sm90[grid](out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
-                           box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3],
-                           sink, *out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale,
-                           softcap, threshold, dropout_scale, total_q, total_k, alibi_slopes,
-                           *alibi_strides(alibi_slopes), HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
-                           NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(d),
-                           PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
-                           CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
-                           HAS_SINK=sink is not None, HAS_ALIBI=alibi_slopes is not None, num_warps=cfg.num_warps,
-                           maxnreg=hopper_forward_maxnreg(consumers))
+    launch(_fwd_kernel_sm90, grid,
+           (out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
+            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3], sink, alibi_slopes),
+           (*out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap, threshold,
+            dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
+           cfg.num_warps, None, maxnreg=hopper_forward_maxnreg(consumers), HAS_LEFT=left is not None,
+           HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(d),
+           PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers,
+           IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
+           HAS_ALIBI=alibi_slopes is not None)
