@@ -67,23 +67,29 @@ def test_prefill_rows_flops_failures_and_partial_file(tmp_path, monkeypatch):
         assert len(json.load(f)["rows"]) == 6
 
 
-def test_prefill_dropout_section_rows(tmp_path, monkeypatch):
-    """p = 0 and p = args.dropout_p rows for flashtile and SDPA-flash, the ratio on the second."""
-    times = {}
+@pytest.mark.parametrize("cudnn_dropout", [True, False], ids=["cudnn-dropout", "cudnn-without"])
+def test_prefill_dropout_section_rows(tmp_path, monkeypatch, cudnn_dropout):
+    """p = 0 and p = args.dropout_p rows for flashtile, SDPA-flash and cuDNN, the ratio on the
+    second; a peer that fails with dropout is left out of the ratios (its p = 0 row stays)."""
 
     def fake_measure(fn, batch, seqlen, nheads, d, causal, dtype, ref_out=None):
-        return (2.0, 4.0, 10.0, None) if not times.setdefault(len(times), len(times) % 2) else (2.5, 5.0, 10.0, None)
+        name, p = fn
+        if name == "cudnn" and p > 0 and not cudnn_dropout:
+            raise RuntimeError("No available kernel")
+        return (2.5, 5.0, 10.0, None) if p > 0 else (2.0, 4.0, 10.0, None)
 
     monkeypatch.setattr(prefill, "measure", fake_measure)
     monkeypatch.setattr(prefill, "_with_dropout", lambda name, p: (name, p))
     monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
     result = prefill.run(_prefill_args(sections=["dropout"]), str(tmp_path / "prefill.json"))
     rows = result["rows"]
-    assert len(rows) == 8 and {r["section"] for r in rows} == {"dropout"}
-    ratios = [r["fwd_bwd_vs_no_dropout"] for r in rows if "fwd_bwd_vs_no_dropout" in r]
-    assert ratios == [pytest.approx(1.25)] * 4
+    assert len(rows) == (12 if cudnn_dropout else 10) and {r["section"] for r in rows} == {"dropout"}
+    ratios = [(r["impl"], r["fwd_bwd_vs_no_dropout"]) for r in rows if "fwd_bwd_vs_no_dropout" in r]
+    impls = ["flashtile", "sdpa-flash"] + (["cudnn"] if cudnn_dropout else [])
+    assert ratios == [(name, pytest.approx(1.25)) for _ in range(2) for name in impls]
     table = prefill_report._section_summary(result)
     assert "| 0.1 | flashtile | 64 | no | 1024 | 1.250x |" in table
+    assert ("| 0.1 | cudnn | 64 | no | 1024 | 1.250x |" in table) == cudnn_dropout
 
 
 def test_prefill_softcap_section_rows(tmp_path, monkeypatch):

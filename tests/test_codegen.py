@@ -90,13 +90,14 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
     words per thread beside the tile. The forward at d=128 368 bytes (200 without dropout), ten
     values of P stored and reloaded once per key block: with the 2 x 4 groups of 2 x 32 keys it
     was 232 and none in the loop, and the loop measured 6% faster, but the backward 8% slower
-    (NOTES.md, "Dropout masks of 16-key groups"). The backward at d=128 108 / 128; at d=64 with
-    its 64-row dropout blocks none."""
+    (NOTES.md, "Dropout masks of 16-key groups"). The forward at d=64 runs two consumer warpgroups
+    with dropout (three measured 22-39% slower): 48 / 64 bytes. The backward at d=128 108 / 128;
+    at d=64 with its 64-row dropout blocks none."""
     report = memory_ops(kernel, d, "--dropout", *(["--causal"] if causal else []))
     bound = {"forward-sm90": {64: 64, 128: 384, 256: 48}, "backward-sm90": {64: 0, 128: 128, 256: 8}}[kernel][d]
     assert report["spill_bytes"] <= bound, report
     assert not report["wgmma_serialised"], report
-    assert {24, 160 if (kernel, d) == ("forward-sm90", 64) else 240} <= set(report["setmaxnreg"]), report
+    assert {24, 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report
 
 

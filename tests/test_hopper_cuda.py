@@ -29,7 +29,8 @@ def hopper_launches(monkeypatch):
         pytest.skip("the Hopper kernels need sm_90")
     calls = []
     launch = forward._launch_sm90
-    monkeypatch.setattr(configs, "hopper_forward_config", lambda d, *a, **kw: configs.hopper_forward_tiles(d))
+    monkeypatch.setattr(configs, "hopper_forward_config",
+                        lambda d, *a, dropout=False, **kw: configs.hopper_forward_tiles(d, dropout))
     monkeypatch.setattr(forward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 

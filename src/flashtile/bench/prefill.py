@@ -21,7 +21,7 @@ prefill_report.py draws the plots and the table from the json.
 
 Sections (`--sections`, default all): `dense` (the grid above), `varlen` (a packed batch of mixed
 lengths against the same tokens padded and run dense, and against the ideal: each sequence at the
-dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flashtile and SDPA-flash),
+dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flashtile, SDPA-flash and cuDNN),
 `sink` (an attention sink, learnable_sink, against none: flashtile, and FlashAttention-4 when
 `flash_attn.cute` imports - ../shared/tools/fa4_peer.sh brings it to the GPU machine), `softcap`
 (Gemma-2's capped logits, softcap * tanh(s / softcap): flashtile, flashtile's Triton kernels,
@@ -274,17 +274,21 @@ def run_varlen(args, dtype, result, path):
         harness.write_result(path, result, quiet=True)
 
 
+DROPOUT_PEERS = ("flashtile", "sdpa-flash", "cudnn")
+
+
 def _with_dropout(name: str, p: float):
-    """(q, k, v, causal) -> out of flashtile or SDPA-flash with dropout_p = p."""
+    """(q, k, v, causal) -> out of flashtile, SDPA-flash or SDPA-cuDNN with dropout_p = p."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashtile
 
     if name == "flashtile":
         return lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=causal)
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
 
     def run(q, k, v, causal):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, dropout_p=p)
         return out.transpose(1, 2)
@@ -293,7 +297,9 @@ def _with_dropout(name: str, p: float):
 
 
 def run_dropout(args, dtype, result, path):
-    """flashtile and SDPA-flash with dropout_p = args.dropout_p and 0 at args.dropout_seqlens."""
+    """flashtile, SDPA-flash and SDPA-cuDNN with dropout_p = args.dropout_p and 0 at
+    args.dropout_seqlens (a peer that fails, e.g. a backend without dropout, is reported and left
+    out of that row)."""
     for d in args.headdims:
         if d > 128:
             continue
@@ -301,15 +307,24 @@ def run_dropout(args, dtype, result, path):
             for seqlen in args.dropout_seqlens:
                 batch, nheads = args.tokens // seqlen, 2048 // d
                 f = flops(batch, nheads, seqlen, d, causal)
-                for name in ("flashtile", "sdpa-flash"):
+                for name in DROPOUT_PEERS:
                     times = {}
                     for p in (0.0, args.dropout_p):
-                        fwd, bwd, peak, _ = measure(_with_dropout(name, p), batch, seqlen, nheads, d, causal, dtype)
+                        try:
+                            fwd, bwd, peak, _ = measure(_with_dropout(name, p), batch, seqlen, nheads, d, causal,
+                                                        dtype)
+                        except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
+                            if name == "flashtile":
+                                raise
+                            print(f"dropout {name} d={d} causal={causal:d} s={seqlen} p={p}: failed {e!r}"[:300])
+                            break
                         times[p] = fwd + bwd
                         result["rows"].append(dict(section="dropout", impl=name, dropout_p=p, d=d, causal=causal,
                                                    seqlen=seqlen, batch=batch, nheads=nheads, fwd_ms=fwd,
                                                    bwd_ms=bwd, fwd_tflops=f / fwd * 1e-9,
                                                    bwd_tflops=2.5 * f / bwd * 1e-9, peak_mem_mb=peak))
+                    if len(times) < 2:
+                        continue
                     result["rows"][-1]["fwd_bwd_vs_no_dropout"] = times[args.dropout_p] / times[0.0]
                     print(f"dropout {name:10s} d={d} causal={causal:d} s={seqlen}: fwd+bwd "
                           f"{times[0.0]:.3f} -> {times[args.dropout_p]:.3f} ms "

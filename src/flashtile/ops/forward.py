@@ -249,7 +249,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     if b * sq == 0:
         return out, lse
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq,
-                                           softcap=softcap > 0)
+                                           softcap=softcap > 0, dropout=has_dropout)
     if (hopper is not None and _hopper_supports(q, k, v, out, qk_scale, varlen)
             and alibi_fits_sm90(alibi_slopes, q, k, varlen)):
         _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap, alibi_slopes)
@@ -805,7 +805,7 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     persistent = configs.hopper_forward_persistent(d)
     grid = (min(n_tiles, configs.num_sms(q.device)) if persistent else n_tiles, )
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
-    consumers = configs.hopper_forward_consumers(d)
+    consumers = cfg.block_m // 64  # 64 rows a consumer warpgroup (configs.hopper_forward_tiles)
     launch(_fwd_kernel_sm90, grid,
            (out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
             box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3], sink, alibi_slopes),
