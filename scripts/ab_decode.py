@@ -8,8 +8,9 @@ between them can be told from the run-to-run spread. --a / --b assign a value to
 flashtile.ops.configs in that setting's processes (e.g. --b DECODE_FUSED_MAX_SPLITS=0: every merge by
 the combine kernel). --a-src / --b-src put a source tree first on that setting's PYTHONPATH (two
 versions of the code: `git archive REV src | tar -x -C DIR` gives DIR/src). BENCH_ARGS go to the
-benchmark (default: BENCH_ARGS below, the seed shapes with splits, SDPA, flashtile and the plan). Prints one JSON line per process: [impl, batch,
-context, heads, device us (CUDA graphs), eager us (best loop), splits] per row.
+benchmark (default: BENCH_ARGS below, the seed shapes with splits, SDPA, flashtile and the plan).
+Prints one JSON line per process: [impl, batch, context, heads, device us (CUDA graphs), eager us
+(best loop), splits] per row.
 """
 
 import argparse

@@ -281,7 +281,8 @@ def main(out=None):
         prof.disable()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
-        lines.append("cProfile, 200 calls of flash_attn_func forward + backward (1 x 128, h16 d128, causal), by own time:")
+        lines.append("cProfile, 200 calls of flash_attn_func forward + backward (1 x 128, h16 d128, causal), "
+                     "by own time:")
         lines.append(s.getvalue())
     text = "\n".join(lines)
     print(text[text.index("cProfile"):])

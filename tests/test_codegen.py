@@ -101,9 +101,15 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
     assert report["shared_bytes"] <= 227 * 1024, report
 
 
+def consumer_regs(kernel: str, d: int, extra) -> int:
+    """The registers of a consumer warpgroup: 160 in the d=64 forward's three, 240 in two (the
+    d=64 forward's with dropout, configs.hopper_forward_consumers) and in the backward."""
+    return 160 if (kernel, d) == ("forward-sm90", 64) and "--dropout" not in extra else 240
+
+
 # spill bounds of the score modifiers' tests below, by kernel and head dim
 MODIFIER_SPILLS = {
-    "--softcap": {"forward-sm90": {64: 24, 128: 208, 256: 24}, "backward-sm90": {64: 0, 128: 560, 256: 16}},
+    "--softcap": {"forward-sm90": {64: 44, 128: 208, 256: 24}, "backward-sm90": {64: 0, 128: 560, 256: 16}},
     "--alibi": {"forward-sm90": {64: 128, 128: 256, 256: 16}, "backward-sm90": {64: 496, 128: 432, 256: 68}},
 }
 
@@ -118,7 +124,8 @@ def test_hopper_kernels_compile_with_score_modifiers(modifier, kernel, d):
     an integer add; the PTX keeps at most 12, the rows', where one per column made 138 in the d=128
     ALiBi forward's SASS). With the flags off the SASS of both is the one before them (NOTES.md
     "Softcap on the Hopper kernels", "ALiBi on the Hopper kernels"). Spills, softcap: the forward
-    within its dense bound (24 bytes at d=256 with dropout); the backward at d=128 156 / 284
+    within its dense bound (24 bytes at d=256 with dropout, 44 at d=64 with dropout, where it runs
+    two consumer warpgroups); the backward at d=128 156 / 284
     bytes, causal, 556 with dropout (the cap's derivative, 32 registers per thread from the
     exponentials to dV's operand, beside dK, dV and the dP^T in flight), none at d=64, whose
     softcap steps take 64-row Q blocks (1512 bytes with 128 rows). ALiBi: the forward within 252
@@ -129,7 +136,7 @@ def test_hopper_kernels_compile_with_score_modifiers(modifier, kernel, d):
         report = memory_ops(kernel, d, modifier, *extra)
         assert report["spill_bytes"] <= MODIFIER_SPILLS[modifier][kernel][d], (extra, report)
         assert not report["wgmma_serialised"], (extra, report)
-        assert {24, 160 if (kernel, d) == ("forward-sm90", 64) else 240} <= set(report["setmaxnreg"]), report
+        assert {24, consumer_regs(kernel, d, extra)} <= set(report["setmaxnreg"]), report
         assert report["shared_bytes"] <= 227 * 1024, report
         assert report["int_to_float"] <= 12, (extra, report)
 
@@ -149,7 +156,7 @@ def test_hopper_kernels_compile_for_packed_batches(kernel, d):
                  "backward-sm90": {64: 384, 128: 208, 256: 16}}[kernel][d]
         assert report["spill_bytes"] <= bound, (extra, report)
         assert not report["wgmma_serialised"], (extra, report)
-        assert {24, 160 if (kernel, d) == ("forward-sm90", 64) else 240} <= set(report["setmaxnreg"]), report
+        assert {24, consumer_regs(kernel, d, extra)} <= set(report["setmaxnreg"]), report
         assert report["shared_bytes"] <= 227 * 1024, report
 
 

@@ -20,6 +20,12 @@ def test_dispatch(sm90, monkeypatch):
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024) is not None
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096) is not None
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=1024, seqlen_q=1024) is not None
+    # d=64 runs three consumer warpgroups (192-row tiles), two with dropout (ab_dropout_d64_consumers.txt)
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096).block_m == 192
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096,
+                                         dropout=True).block_m == 128
+    assert configs.hopper_forward_config(128, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096,
+                                         dropout=True).block_m == 128
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=512, seqlen_q=512) is None
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=2048, seqlen_q=2048) is None
     # with softcap a causal d=64 forward measured level with the Triton kernel, or slower: it keeps that one
@@ -208,11 +214,13 @@ def test_forward_persistent():
     assert not configs.hopper_forward_persistent(256)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("extras", ["plain", "every option"])
-def test_hopper_launches_bind_the_kernels_arguments(monkeypatch, extras):
+def test_hopper_launches_bind_the_kernels_arguments(monkeypatch, extras, d):
     """_launch_sm90 (forward and backward) hands ops._launch.launch the kernel's pointer and
     descriptor arguments first, then its scalars, one for each parameter in signature order, and
-    every constexpr by name; each Box makes the checked descriptor Triton's path gets."""
+    every constexpr by name; each Box makes the checked descriptor Triton's path gets. The
+    forward's consumer warpgroups and register cap follow its tile (at d=64 two with dropout)."""
     from flashtile.ops import _launch, backward
     from flashtile.reference.dropout import draw_rng
 
@@ -221,14 +229,15 @@ def test_hopper_launches_bind_the_kernels_arguments(monkeypatch, extras):
         monkeypatch.setattr(module, "launch", lambda kernel, grid, tensors, scalars, *a, **kw: calls.append(
             (kernel, tensors, scalars, kw)))
     monkeypatch.setattr(forward, "tile_counter", lambda device: torch.zeros(1, dtype=torch.int32))
-    q, k, v = qkv(b=2, s=256, h=4, d=128)
+    q, k, v = qkv(b=2, s=256, h=4, d=d)
     out, lse, dout = torch.empty_like(q), torch.empty(2, 4, 256), torch.randn_like(q)
     dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty(2, 4, 256)
     options = {} if extras == "plain" else dict(dropout=(0.1, draw_rng(torch.device("cpu"))), softcap=30.0,
                                                 alibi_slopes=torch.rand(4))
-    forward._launch_sm90(q, k, v, out, lse, configs.hopper_forward_tiles(128), 0.1, None, 0,
+    forward._launch_sm90(q, k, v, out, lse, configs.hopper_forward_tiles(d, "dropout" in options), 0.1, None, 0,
                          sink=None if extras == "plain" else torch.zeros(4), **options)
-    backward._launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, configs.hopper_backward_tiles(128), 0.1,
+    backward._launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta,
+                          configs.hopper_backward_tiles(d, "dropout" in options, "softcap" in options), 0.1,
                           None, 0, False, **options)
     hopper = [c for c in calls if c[0] in (forward._fwd_kernel_sm90, backward._bwd_kernel_sm90)]
     assert [c[0] for c in hopper] == [forward._fwd_kernel_sm90, backward._bwd_kernel_sm90]
@@ -244,3 +253,6 @@ def test_hopper_launches_bind_the_kernels_arguments(monkeypatch, extras):
         assert (tensors[slopes] is None) == (extras == "plain")
         descriptors = [t for t in _launch._for_triton(tensors) if t is not None and not isinstance(t, torch.Tensor)]
         assert len(descriptors) == sum(n.endswith("_desc") for n in runtime)
+    consumers = hopper[0][3]["CONSUMERS"]
+    assert consumers == (3 if d == 64 and extras == "plain" else 2)
+    assert hopper[0][3]["maxnreg"] == forward.hopper_forward_maxnreg(consumers)

@@ -9,7 +9,8 @@ only then launches. On the H100 machine's host that took 34 µs per call for the
 `launch` keeps Triton's own answer. The first call with a given key goes through `kernel[grid]`
 (compiling if needed) and keeps the compiled kernel it returns; later calls with the same key
 launch that kernel directly. The key holds every scalar argument by value, each tensor's dtype and
-whether its address is 16-byte aligned, the constexprs, warps and stages, and the device. A call
+whether its address is 16-byte aligned, the constexprs, warps, stages and register cap, and the
+device. A call
 whose scalars changed (a cache that grew by a token: its length and strides) looks again by
 what Triton specialises a scalar on - an int's type by range (int32, uint64, int64), whether it is
 1, whether 16 divides it; a float's type - before it takes Triton's path (tens of µs): so a cached
@@ -163,8 +164,9 @@ def _pointer(t):
     """A tensor argument as the compiled launcher takes it on a cached hit: a plain tensor as its
     address. Given a tensor, the launcher calls its data_ptr and then asks the driver whether the
     address is device memory (cuPointerGetAttribute) on every launch; given an int it does neither.
-    That check already ran when Triton's path launched this key first, and the callers check every
-    tensor's device. Anything else (None, a TMA descriptor, a tensor subclass) goes as it is."""
+    The key does not hold a tensor's device, so that question is the callers': every launch site's
+    tensors come checked to be on the launch's device (_checks and the API) or made there. Anything
+    else (None, a TMA descriptor, a tensor subclass) goes as it is."""
     return t.data_ptr() if type(t) is torch.Tensor else t
 
 

@@ -304,7 +304,7 @@ NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same
 def capability(device: torch.device) -> tuple:
     """A CUDA device's compute capability, (9, 0) on the H100. torch's query costs ~10 us of host
     time on the H100 machine, on every launch's path: a device with an index (every CUDA tensor's)
-    is asked once."""
+    is asked once (_capability.cache_clear() forgets the answers)."""
     if device.index is None:  # "cuda": whichever device is current now
         return torch.cuda.get_device_capability(device)
     return _capability(device)

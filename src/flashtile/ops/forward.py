@@ -806,6 +806,8 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     grid = (min(n_tiles, configs.num_sms(q.device)) if persistent else n_tiles, )
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     consumers = cfg.block_m // 64  # 64 rows a consumer warpgroup (configs.hopper_forward_tiles)
+    if consumers not in (2, 3):
+        raise ValueError(f"the Hopper forward runs 128- or 192-row tiles, got block_m={cfg.block_m}")
     launch(_fwd_kernel_sm90, grid,
            (out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
             box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3], sink, alibi_slopes),
