@@ -10,11 +10,10 @@ only then launches. On the H100 machine's host that took 34 µs per call for the
 (compiling if needed) and keeps the compiled kernel it returns; later calls with the same key
 launch that kernel directly. The key holds every scalar argument by value, each tensor's dtype and
 whether its address is 16-byte aligned, the constexprs, warps, stages and register cap, and the
-device. A call
-whose scalars changed (a cache that grew by a token: its length and strides) looks again by
-what Triton specialises a scalar on - an int's type by range (int32, uint64, int64), whether it is
-1, whether 16 divides it; a float's type - before it takes Triton's path (tens of µs): so a cached
-launch runs the binary Triton would have picked. The cache is emptied when it grows past
+device. A call whose scalars changed (a cache that grew by a token: its length and strides) looks
+again by what Triton specialises a scalar on - an int's type by range (int32, uint64, int64),
+whether it is 1, whether 16 divides it; a float's type - before it takes Triton's path (tens of
+µs): so a cached launch runs the binary Triton would have picked. The cache is emptied when it grows past
 MAX_ENTRIES. Under TRITON_INTERPRET=1, with launch hooks installed (profilers) or with anything
 Triton's path does not return as a compiled kernel, every call takes Triton's path.
 

@@ -72,8 +72,8 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     swung between 155 and 378 TFLOP/s in five measurements (the Triton kernel: 286-289), so it
     keeps the Triton kernel there. Fewer than 128 query rows (decoding steps and short chunks
     through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
-    waste less of a short sequence. After the kernel went persistent (NOTES.md "Persistent Hopper forward": d=128
-    3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
+    waste less of a short sequence. After the kernel went persistent (NOTES.md "Persistent Hopper
+    forward": d=128 3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
     (scripts/ab_hopper_forward.py): non-causal 1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k
     1.089x, causal 1k 0.884x and 2k 1.043x with rounds at 156 and 172 TFLOP/s (the Triton kernel
     288-339 in every round). So non-causal d=64 takes it from 1k keys, causal from 4k.
