@@ -3,9 +3,10 @@
     python tests/codegen_check.py KERNEL D [BLOCKS] [--flags NAME=VALUE,...] [--regs]   (prints JSON)
     python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout] [--varlen] [--sink]
         (the Gluon Hopper kernels, --sink the forward only: ptxas's report)
-    python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine] [--fused]   (the
-        decoding split kernel, fp16, 16 q / 2 kv heads, --fused with the merge of 64 splits in it:
-        registers, spills, shared memory, whether it lets a dependent launch start, atomics)
+    python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine] [--fused] [--split]
+        (the decoding split kernel, fp16, 16 q / 2 kv heads, --fused with the merge of 64 splits in
+        it, --split with the tiles of a launch that splits: registers, spills, shared memory,
+        whether it lets a dependent launch start, atomics)
     python tests/codegen_check.py combine D --pdl   (the decoding combine kernel as a programmatic
         dependent launch: whether it waits for the launch before it ahead of every global load)
 
@@ -192,11 +193,14 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
 
 
-def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False, fused: bool = False):
+def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False, fused: bool = False,
+                   split: bool = False):
     """ops.decode._split_kernel as plan() launches it for an fp16 decoding step over a cache with
     16 q / 2 kv heads (one query row, one split, or with `fused` 64 splits merged by the kernel):
-    int32 cache_seqlens, a block table when paged, new k/v rows to append with `append`."""
-    cfg = configs.decode_config(8, d, torch.float16, page_size, torch.device("cuda"))
+    int32 cache_seqlens, a block table when paged, new k/v rows to append with `append`. A launch
+    that splits (split, fused, launch_combine) takes configs.decode_config's split tiles."""
+    cfg = configs.decode_config(8, d, torch.float16, page_size, torch.device("cuda"),
+                                split=split or fused or launch_combine)
     kernel = decode._split_kernel
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)
@@ -305,7 +309,7 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv[0] == "decode":
         compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv, "--launch-combine" in argv,
-                                  "--fused" in argv)
+                                  "--fused" in argv, "--split" in argv)
         print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared,
                               launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
                               acq_rel_atomics=compiled.asm["ptx"].count(".acq_rel.add"))))

@@ -170,15 +170,18 @@ def test_hopper_forward_compiles_with_a_sink(d):
     assert not report["wgmma_serialised"], report
 
 
-@pytest.mark.parametrize("page_size", [0, 16, 64], ids=["contiguous", "page16", "page64"])
-def test_decoding_append_costs_the_loop_nothing(page_size):
+@pytest.mark.parametrize("page_size,split", [(0, False), (16, False), (16, True), (64, False)],
+                         ids=["contiguous", "page16", "page16-split", "page64"])
+def test_decoding_append_costs_the_loop_nothing(page_size, split):
     """A decoding step that appends k/v (APPEND) compiles to the plain step's shared memory and
     registers: its new rows are written before the KV loop, which stays the plain one. Reading them
     inside the loop instead (a branch per tile, or a second phase of tiles) had cost Triton's
     pipelining: 102 KB of shared memory against 39 KB, or 150-212 registers against 84 at d=128,
-    and +25% device time at Llama-3-8B's decoding shape (benchmarks/results/h100/NOTES.md)."""
-    plain = memory_ops("decode", 128, str(page_size))
-    append = memory_ops("decode", 128, str(page_size), "--append")
+    and +25% device time at Llama-3-8B's decoding shape (benchmarks/results/h100/NOTES.md). Also
+    with the one-page tiles of a launch that splits a 16-token-page cache."""
+    flags = ("--split",) if split else ()
+    plain = memory_ops("decode", 128, str(page_size), *flags)
+    append = memory_ops("decode", 128, str(page_size), "--append", *flags)
     assert plain["spill_bytes"] == append["spill_bytes"] == 0, (plain, append)
     assert append["shared_bytes"] == plain["shared_bytes"], (plain, append)
     assert append["regs"] <= plain["regs"], (plain, append)
@@ -189,7 +192,7 @@ def test_decoding_fused_merge_compiles_beside_the_loop(page_size):
     """The merge fused into the split kernel (its arrival count: one acq_rel atomic) compiles for
     sm_90 without spills and with the plain step's shared memory: the loop that streams the cache
     is untouched."""
-    plain = memory_ops("decode", 128, str(page_size))
+    plain = memory_ops("decode", 128, str(page_size), "--split")
     fused = memory_ops("decode", 128, str(page_size), "--fused")
     assert fused["spill_bytes"] == 0 and fused["shared_bytes"] == plain["shared_bytes"], (plain, fused)
     assert fused["acq_rel_atomics"] == 1 and plain["acq_rel_atomics"] == 0, (plain, fused)

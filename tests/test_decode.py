@@ -321,6 +321,43 @@ def test_num_splits_paged(shape, want):
     assert configs.decode_num_splits(b * hk, ctx, block_n, 132, paged=True) == want
 
 
+# 16-token pages, (tiles' keys, splits) of the seed and Llama shapes on an H100: a launch that
+# splits reads a page a tile (16 keys, 3 stages) with the splits those tiles make; an unsplit one
+# keeps the 64-key gather tiles (benchmarks/results/h100/sweep_page16_small_tiles.json)
+PAGE16_TILES = {(256, 256, 2): (64, 1), (128, 512, 2): (64, 1), (16, 4096, 2): (16, 16), (8, 8192, 2): (16, 33),
+                (2, 32768, 2): (16, 132), (1, 65536, 2): (16, 264), (1, 131072, 2): (16, 264), (64, 8192, 8): (64, 1)}
+
+
+@pytest.mark.parametrize("shape,want", PAGE16_TILES.items(), ids=[f"b{b}-ctx{c}-hk{k}" for b, c, k in PAGE16_TILES])
+def test_tiles_of_16_token_pages(monkeypatch, shape, want):
+    monkeypatch.setattr(configs, "num_sms", lambda device: 132)
+    b, ctx, hk = shape
+    cuda = torch.device("cuda")
+    cfg, splits = configs.decode_tiles(8, 128, torch.float16, 16, cuda, b * hk, ctx)
+    assert (cfg.block_n, splits) == want
+    assert cfg.num_stages == (3 if splits > 1 else 2)
+    # contiguous caches and 64-token pages keep their tiles and counts
+    for page in (0, 64):
+        cfg, splits = configs.decode_tiles(8, 128, torch.float16, page, cuda, b * hk, ctx)
+        assert (cfg.block_n, cfg.num_stages) == (64, 2)
+        assert splits == configs.decode_num_splits(b * hk, ctx, 64, 132, page > 0)
+
+
+def test_tiles_with_a_given_split_count(monkeypatch):
+    """num_splits given: kept as it is; more than one takes the split tiles."""
+    monkeypatch.setattr(configs, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 16, 8192, num_splits=4)[0].block_n == 16
+    assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 16, 8192, num_splits=4)[1] == 4
+    assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 2, 65536, num_splits=1)[0].block_n == 64
+    # float32 and the interpreter have tiles of their own
+    assert configs.decode_tiles(8, 128, torch.float32, 16, cuda, 16, 8192)[0] == \
+        configs.decode_config(8, 128, torch.float32, 16, cuda)
+    cpu = torch.device("cpu")
+    assert configs.decode_tiles(8, 128, torch.float16, 16, cpu, 16, 8192)[0] == \
+        configs.decode_config(8, 128, torch.float16, 16, cpu)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_sms", [16, 132])
 def test_num_splits_invariants(num_sms, paged):

@@ -277,12 +277,10 @@ def _graph_us(fn, q, buffers, **bench) -> float:
 
 def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
     """The num_splits flashtile's heuristic picks for this shape (recorded with each row)."""
-    from flashtile.ops import _launch, configs
+    from flashtile.ops import configs
 
-    cfg = configs.decode_config(sq * h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE))
-    m_blocks = _launch.cdiv(sq * h // hk, cfg.block_m)
-    return configs.decode_num_splits(batch * hk * m_blocks, context, cfg.block_n,
-                                     configs.num_sms(torch.device(DEVICE)), page_size > 0)
+    return configs.decode_tiles(sq * h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE), batch * hk,
+                                context)[1]
 
 
 def run(args, path: str | None = None) -> dict:
@@ -394,7 +392,7 @@ def sweep(args) -> dict:
                 if tile is None:
                     configs.decode_config = real
                 else:
-                    configs.decode_config = (lambda r, d, dt, p, dev, t=tile:
+                    configs.decode_config = (lambda r, d, dt, p, dev, split=False, t=tile:
                                              configs.BlockConfig(real(r, d, dt, p, dev).block_m, *t))
                 configs.DECODE_FUSED_MAX_SPLITS = 1 << 30 if combine == "fused" else 0
                 cfg = configs.decode_config(h // hk, HEADDIM, dtype, page, torch.device(DEVICE))

@@ -324,8 +324,10 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # once per shape: a decoding step spends its host time here otherwise
-def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device: torch.device) -> BlockConfig:
-    """Tiles for the split-KV kernel of ops.decode on an H100 (sm_90).
+def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device: torch.device,
+                  split: bool = False) -> BlockConfig:
+    """Tiles for the split-KV kernel of ops.decode on an H100 (sm_90); split: for a launch that
+    cuts the keys into several splits (decode_tiles).
 
     rows = seqlen_q * (nheads // nheads_k): the query rows that share one KV head are packed into
     the M side of one tl.dot (GQA packing), padded to >= 16 (mma's minimum M); more than 64 rows
@@ -344,6 +346,13 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     30.6 us at 128 x 512 against 34.1 us with the earlier 32 keys x 3 stages (sweep_page16.json);
     in decode.json of the same tiles 30.0-35.7 us on the 67 MB caches (32.6-33.7 with 32 x 3),
     1.09-1.12x contiguous where 32 x 3 ranged 1.02-1.21x, and 720 us at 2.1 GB (726).
+    Split, 16-token pages take tiles of one page (16 keys, no gather: one page index a tile) in 3
+    stages, and twice the splits that makes (~250 keys a program): sweep_page16_small_tiles.json
+    (8af37ee, device time in us, against 64 x 2 with its splits, contiguous 64 x 2 in brackets)
+    16 x 4096 32.8 / 33.9 (30.0), 8 x 8192 33.1 / 35.0 (30.7), 2 x 32768 32.2 / 35.0 (31.4),
+    1 x 65536 32.3 / 34.5 (30.7), 1 x 131072 56.8 / 57.0 (53.4). Unsplit they lose where a program
+    reads more keys (128 x 512: 32.4 against 30.7; 256 x 256 29.4 against 30.0; Llama-3-8B's cache
+    723 against 719), so unsplit launches keep the gather tiles. Other page sizes were not measured.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
     if device.type != "cuda":
@@ -356,7 +365,28 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
         block_n = max(16, min(128, 16 * 1024 // (2 * bd * 4) * 16 // block_m))
         gather = page_size > 0 and page_size % block_n != 0
         return BlockConfig(block_m, block_n, 8 if block_m > 16 else 4, 5 if gather else 3)
+    if split and page_size == 16:
+        return BlockConfig(block_m, 16, 4, 3)
     return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 2)
+
+
+def decode_tiles(rows: int, d: int, dtype: torch.dtype, page_size: int, device: torch.device, kv_rows: int,
+                 max_keys: int, num_splits: int = 0) -> tuple[BlockConfig, int]:
+    """(tiles, splits) of a decoding launch: kv_rows = batch x nheads_k, max_keys the longest key
+    range of one of them; num_splits = 0 asks decode_num_splits, else it is kept. A launch that
+    splits takes decode_config's split tiles, and with num_splits = 0 the count for those tiles."""
+    cfg = decode_config(rows, d, dtype, page_size, device)
+    programs = kv_rows * cdiv(rows, cfg.block_m)
+    auto = num_splits == 0
+    if auto:
+        num_splits = decode_num_splits(programs, max_keys, cfg.block_n, num_sms(device), page_size > 0)
+    if num_splits > 1:
+        split_cfg = decode_config(rows, d, dtype, page_size, device, split=True)
+        if split_cfg != cfg:
+            cfg = split_cfg
+            if auto:
+                num_splits = decode_num_splits(programs, max_keys, cfg.block_n, num_sms(device), page_size > 0)
+    return cfg, num_splits
 
 
 def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int, paged: bool = False) -> int:

@@ -517,8 +517,8 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     cache_seqlens int or (b,) int32 (lengths before the seqlen_new appended keys);
     cache_batch_idx / cache_leftpad (b,) int32; rotary_cos/sin (seqlen_ro, rotary_dim / 2) rotate
     k and q; window = (left, right), -1 unbounded. Index tensors are read through their strides.
-    num_splits = 0 asks configs.decode_num_splits, given max_keys (the longest key range known on
-    the host, else None: the capacity). has_sink: every call passes an attention sink.
+    num_splits = 0 asks configs.decode_tiles (the tiles and the split count), given max_keys (the
+    longest key range known on the host, else None: the capacity). has_sink: every call passes an attention sink.
     With splits, the calls of a plan on one CUDA stream share the split partials (and the fused
     merge's counters), allocated at its first call there: a stream runs its calls in order.
     """
@@ -526,11 +526,9 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     left, right = window
     if sq == 1:
         right = -1  # one query row sits at the last key: nothing is to its right
-    cfg = configs.decode_config(sq * group, d, dtype, page_size, device)
+    cfg, num_splits = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk,
+                                           capacity if max_keys is None else max_keys, num_splits)
     m_blocks = cdiv(sq * group, cfg.block_m)
-    if num_splits == 0:
-        num_splits = configs.decode_num_splits(b * hk * m_blocks, capacity if max_keys is None else max_keys,
-                                               cfg.block_n, configs.num_sms(device), page_size > 0)
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     if rotary_cos is None:
         rotary_dim, rotary_len, rotary_strides = 0, 0, (0, 0, 0, 0)
