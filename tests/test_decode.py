@@ -350,6 +350,10 @@ def test_tiles_with_a_given_split_count(monkeypatch):
     assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 16, 8192, num_splits=4)[0].block_n == 16
     assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 16, 8192, num_splits=4)[1] == 4
     assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 2, 65536, num_splits=1)[0].block_n == 64
+    # head dims, packed query rows and page sizes the one-page tiles were not measured at keep theirs
+    for rows, d, page in ((8, 64, 16), (64, 128, 16), (8, 128, 32)):
+        assert configs.decode_tiles(rows, d, torch.float16, page, cuda, 16, 8192)[0] == \
+            configs.decode_config(rows, d, torch.float16, page, cuda)
     # float32 and the interpreter have tiles of their own
     assert configs.decode_tiles(8, 128, torch.float32, 16, cuda, 16, 8192)[0] == \
         configs.decode_config(8, 128, torch.float32, 16, cuda)

@@ -352,7 +352,8 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     16 x 4096 32.8 / 33.9 (30.0), 8 x 8192 33.1 / 35.0 (30.7), 2 x 32768 32.2 / 35.0 (31.4),
     1 x 65536 32.3 / 34.5 (30.7), 1 x 131072 56.8 / 57.0 (53.4). Unsplit they lose where a program
     reads more keys (128 x 512: 32.4 against 30.7; 256 x 256 29.4 against 30.0; Llama-3-8B's cache
-    723 against 719), so unsplit launches keep the gather tiles. Other page sizes were not measured.
+    723 against 719), so unsplit launches keep the gather tiles. Other page sizes, head dims and
+    query-row counts (more than 16 packed rows) were not measured and keep their tiles.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
     if device.type != "cuda":
@@ -365,7 +366,7 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
         block_n = max(16, min(128, 16 * 1024 // (2 * bd * 4) * 16 // block_m))
         gather = page_size > 0 and page_size % block_n != 0
         return BlockConfig(block_m, block_n, 8 if block_m > 16 else 4, 5 if gather else 3)
-    if split and page_size == 16:
+    if split and page_size == 16 and bd == 128 and block_m == 16:  # as measured (docstring)
         return BlockConfig(block_m, 16, 4, 3)
     return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 2)
 
