@@ -518,7 +518,8 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     cache_batch_idx / cache_leftpad (b,) int32; rotary_cos/sin (seqlen_ro, rotary_dim / 2) rotate
     k and q; window = (left, right), -1 unbounded. Index tensors are read through their strides.
     num_splits = 0 asks configs.decode_tiles (the tiles and the split count), given max_keys (the
-    longest key range known on the host, else None: the capacity). has_sink: every call passes an attention sink.
+    longest key range known on the host, else None: the capacity). has_sink: every call passes an
+    attention sink.
     With splits, the calls of a plan on one CUDA stream share the split partials (and the fused
     merge's counters), allocated at its first call there: a stream runs its calls in order.
     """
