@@ -11,7 +11,7 @@ import torch
 
 from flashtile.bench.harness import capture
 from flashtile.ops import backward, configs, forward
-from flashtile.reference.dropout import draw_rng
+from flashtile.reference.dropout import DropoutMask, draw_rng
 from prefill_check import check_dq_accumulates, check_past_65535_heads, check_prefill, make_qkv
 from varlen_check import check_varlen
 
@@ -264,6 +264,33 @@ def test_dropout(hopper_launches, hopper_backward_launches, d, sq, sk, dtype, ca
     kernels draw the same mask as the Triton ones, in the forward's orientation and the backward's
     transposed one (d=64 and 128) or untransposed one (d=256)."""
     check_prefill(2, sq, sk, 4, 2, d, dtype, "cuda", causal=causal, dropout_p=0.17)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("p", [1 / 256, 0.17, 127 / 256, 0.5, 0.6, 255 / 256])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)],
+                         ids=["d64-fp16", "d128-bf16", "d256-bf16"])
+def test_dropout_mask_at_every_threshold(hopper_launches, d, dtype, p):
+    """The Hopper forward's keep-mask is reference.dropout's bit for bit at thresholds 1, 44, 127,
+    128, 154 and 255: the kernel compares four bytes at a time (dropout_keep_bits_sm90), one way
+    below 128 and another from 128 on. q = k = 0 makes every score 1 / sk before dropout and V the
+    identity makes the output the dropped probabilities: out[.., i, j] = keep(i, j) / (sk (1 - p'))."""
+    b, h, hk, sq, sk = 2, 4, 2, 384, d
+    q = torch.zeros(b, sq, h, d, dtype=dtype, device="cuda")
+    k = torch.zeros(b, sk, hk, d, dtype=dtype, device="cuda")
+    v = torch.eye(sk, d, dtype=dtype, device="cuda").expand(b, hk, sk, d).transpose(1, 2).contiguous()
+    rng = draw_rng("cuda")
+    out, _ = forward.attention_forward(q, k, v, d ** -0.5, (None, None), dropout=(p, rng))
+    assert hopper_launches
+    mask = DropoutMask(p, rng, h, range(b))
+    keep = mask.keep(0, sq, 0, sk, "cuda").transpose(1, 2)  # (b, sq, h, sk)
+    torch.testing.assert_close(out.float(), keep.float() * (mask.scale / sk), atol=0, rtol=1e-2)
+
+
+def test_dropout_threshold_of_one(hopper_launches, hopper_backward_launches):
+    """p < 1.5 / 256 makes the threshold 1, an int argument Triton would compile as a constant
+    unless told not to (do_not_specialize): both Hopper kernels against the oracle there."""
+    check_prefill(2, 256, 512, 4, 2, 128, torch.bfloat16, "cuda", dropout_p=1 / 256)
     assert hopper_launches and hopper_backward_launches
 
 

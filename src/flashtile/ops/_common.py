@@ -391,6 +391,50 @@ def dropout_keep_sm90(words, threshold, layout: gl.constexpr, ROWS: gl.constexpr
     return gl.convert_layout(bits, layout, assert_trivial=True) >= dropout_bar(threshold)
 
 
+@gluon.jit
+def dropout_keep_bits_sm90(w, threshold):
+    """A Philox word's four bytes compared with threshold in one go (SWAR): the top bit of each
+    byte of the result is set where that byte is >= threshold (1..255), the other bits are
+    anything. With h the top bits, (w | h) - (threshold & 0x7F) in every byte borrows nothing
+    across bytes and sets a byte's top bit where its low 7 bits are >= threshold's; a threshold
+    below 128 then keeps bytes with either top bit set (w | d), one of 128 or more needs both
+    (w & d): one LOP3 of w, d and threshold's top bit spread over the word."""
+    low = (threshold & 0x7F).to(gl.uint32) * 0x01010101
+    high = gl.where(threshold >= 128, 0xFFFFFFFF, 0).to(gl.uint32)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 d; or.b32 d, $1, 0x80808080; sub.u32 d, d, $2; lop3.b32 $0, $1, d, $3, 0xD4; }", "=r,r,r,r",
+        [w, low, high], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def dropout_selector_sm90(like, BYTE: gl.constexpr):
+    """PRMT's selector for byte BYTE of two words a and b, sign-replicated: a's over the low 16 bits,
+    b's over the high 16 (nibbles 8 + BYTE and 12 + BYTE), as a tensor shaped like `like`."""
+    return gl.full(like.shape, (8 + BYTE) * 0x11 + (12 + BYTE) * 0x1100, gl.uint32, like.type.layout)
+
+
+@gluon.jit
+def dropout_apply_sm90(p, m0, m1, ROWS: gl.constexpr, KEYS: gl.constexpr):
+    """p (fp16 / bf16, an accumulator's layout, rows x keys of the calls) with the dropped scores
+    zeroed, from dropout_keep_bits_sm90's words m0 and m1 of the calls (dropout_words_sm90's
+    layout, not transposed). A pair of p's scores (row i, keys j0 and j0 + 1) takes byte 2 (j //
+    8 % 2) + i // 8 % 2 of m0 and of m1: one PRMT spreads the top bits of the two over the pair's
+    16-bit halves (sign-replicating selector nibbles 8 + byte and 12 + byte), one AND applies them.
+    The words reach each score as dropout_bytes spreads them, with the byte's selector beside
+    them as a constant of the register's position."""
+    words = gl.join(gl.join(gl.join(m0, m0), gl.join(m0, m0)), gl.join(gl.join(m1, m1), gl.join(m1, m1)))
+    sels = gl.join(gl.join(dropout_selector_sm90(m0, 0), dropout_selector_sm90(m0, 1)),
+                   gl.join(dropout_selector_sm90(m0, 2), dropout_selector_sm90(m0, 3)))
+    sels = gl.join(sels, sels)
+    # (row block, i % 8, key block, q, i // 8 % 2, j // 8 % 2, w) -> (rows, keys), as dropout_bytes
+    words = gl.convert_layout(gl.reshape(gl.permute(words, (0, 4, 1, 2, 5, 3, 6)), (ROWS, KEYS)), p.type.layout,
+                              assert_trivial=True)
+    sels = gl.convert_layout(gl.reshape(gl.permute(sels, (0, 4, 1, 2, 5, 3, 6)), (ROWS, KEYS)), p.type.layout,
+                             assert_trivial=True)
+    return gl.inline_asm_elementwise("{ .reg .b32 m; prmt.b32 m, $2, $3, $4; and.b32 $0, $1, m; }",
+                                     "=r,r,r,r,r,r", [p, words, sels], dtype=p.dtype, is_pure=True, pack=2)
+
+
 def softcap_scales(qk_scale: float, softcap: float) -> tuple[float, float]:
     """(cap_scale, softcap2) of capped_sm90 from kernel_scale's (qk_scale, softcap) of a capped
     call: the products' factor 2 log2(e) softmax_scale / softcap (one exp2 gives e^{2x}) and the

@@ -945,7 +945,7 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
     _tma_reduce_add(dq_desc, [tb, row, h, half * HALF_D], dq_bufs.index(half))
 
 
-@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k"])
+@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k", "threshold"])
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
                      CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale, threshold,

@@ -33,8 +33,8 @@ from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, cdiv, current_stream, launch
 from flashtile.ops._common import (LN2, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
-                                   capped_sm90, dot_precision, dropout_keep, dropout_keep_sm90, dropout_seed,
-                                   dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale, load_tile_pair,
+                                   capped_sm90, dot_precision, dropout_apply_sm90, dropout_keep,
+                                   dropout_keep_bits_sm90, dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale, load_tile_pair,
                                    lse_row_base, page_of, q_block_of, q_block_program, scores_log2, seq_bounds,
                                    softcap_scales, visible)
 
@@ -426,7 +426,7 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
                      qk_scale, softcap, slope, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      IN_FLIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr, HALF_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr):
+                     BLOCK_N: gl.constexpr, dtype: gl.constexpr):
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
@@ -434,7 +434,10 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_ALIBI: after the cap, the bias
     -slope |i + diag_offset - j| (slope in alibi_unit_sm90's units). HAS_DROPOUT: the block's Philox calls
     (head bh) are made before the wait, while S is computed; l sums P before dropout, and the
-    returned p (P V's operand) has the dropped scores zeroed."""
+    returned p (P V's operand) is P in the inputs' dtype with the dropped scores zeroed: each
+    call's bytes compared four at a time (dropout_keep_bits_sm90) and applied to pairs of packed
+    scores (dropout_apply_sm90), 1.75 instructions a score where a compare and a select of each
+    fp32 score took 3."""
     if HAS_DROPOUT:
         words = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
@@ -459,7 +462,9 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i if ROWSUM_MMA else l_i * alpha + gl.sum(p, 1)
     if HAS_DROPOUT:
-        p = gl.where(dropout_keep_sm90(words, threshold, s_layout, HALF_M, BLOCK_N, False), p, 0.0)
+        w0, w1 = words
+        p = dropout_apply_sm90(p.to(dtype), dropout_keep_bits_sm90(w0, threshold), dropout_keep_bits_sm90(w1, threshold),
+                               HALF_M, BLOCK_N)
     return p, alpha, m_new, l_new
 
 
@@ -536,7 +541,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                 p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b, diag_offset,
                                                       left, right, qk_scale, softcap, slope, seed, b * nheads + h,
                                                       threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_SOFTCAP, HAS_ALIBI,
-                                                      HAS_DROPOUT, False, HALF_M, BLOCK_N)
+                                                      HAS_DROPOUT, False, HALF_M, BLOCK_N, dtype)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
                     prev = (it + j - 1) % NUM_STAGES
@@ -551,7 +556,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
                                                           sk_b, diag_offset, left, right, qk_scale, softcap, slope,
                                                           seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1,
-                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M, BLOCK_N)
+                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M, BLOCK_N,
+                                                          dtype)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     # P_{j-1} is a register operand of the product in flight: it stays untouched until the
                     # product is done
@@ -575,7 +581,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                                                           sk_b, diag_offset, left, right, qk_scale, softcap, slope,
                                                           seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
                                                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, ROWSUM_MMA, HALF_M,
-                                                          BLOCK_N)
+                                                          BLOCK_N, dtype)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                     if ROWSUM_MMA:
@@ -621,7 +627,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
         n += 1
 
 
-@gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k"])
+@gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k", "threshold"])
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes,
                      stride_ob, stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale,
                      softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h,
