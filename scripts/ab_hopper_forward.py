@@ -23,7 +23,7 @@ SHAPES = ((64, False, 16384), (64, False, 8192), (64, True, 16384), (64, False, 
 
 def main(rounds: int = 5, shapes=SHAPES) -> None:
     hopper = configs.hopper_forward_config
-    forced = lambda d, *a, dropout=False, **kw: configs.hopper_forward_tiles(d, dropout)  # noqa: E731
+    forced = lambda d, *a, **kw: configs.hopper_forward_tiles(d)  # noqa: E731
     for d, causal, seqlen in shapes:
         batch, heads = 16384 // seqlen, 2048 // d
         q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -28,7 +28,7 @@ def main() -> None:
     for d in (64, 128):
         q, k, v = make_qkv(1, 128, sk, 2, 1, d, torch.bfloat16, "cuda")
         for sl in (None, slopes):
-            configs.hopper_forward_config = lambda d, *a, dropout=False, **kw: configs.hopper_forward_tiles(d, dropout)
+            configs.hopper_forward_config = lambda d, *a, **kw: configs.hopper_forward_tiles(d)
             out, lse = forward.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=sl)
             configs.hopper_forward_config = lambda *a, **kw: None
             ref, ref_lse = forward.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=sl)

@@ -121,12 +121,12 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     ALiBi slopes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = configs.hopper_forward_tiles(d, dropout)
+    cfg = configs.hopper_forward_tiles(d)
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
-                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d, dropout), IS_VARLEN=varlen,
+                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
                  HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi)
     if not alibi:
         const["Slopes"] = None

@@ -30,7 +30,7 @@ def hopper_launches(monkeypatch):
     calls = []
     launch = forward._launch_sm90
     monkeypatch.setattr(configs, "hopper_forward_config",
-                        lambda d, *a, dropout=False, **kw: configs.hopper_forward_tiles(d, dropout))
+                        lambda d, *a, **kw: configs.hopper_forward_tiles(d))
     monkeypatch.setattr(forward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 

@@ -55,8 +55,7 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
 
 
 def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
-                          seqlen_k: int, seqlen_q: int, softcap: bool = False,
-                          dropout: bool = False) -> BlockConfig | None:
+                          seqlen_k: int, seqlen_q: int, softcap: bool = False) -> BlockConfig | None:
     """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90) where it is measured faster than
     forward_config's, else None (the Triton kernel runs).
 
@@ -94,25 +93,27 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
         return None
     if d == 256 and causal and seqlen_k < 2048:
         return None
-    return hopper_forward_tiles(d, dropout)
+    return hopper_forward_tiles(d)
 
 
-def hopper_forward_tiles(d: int, dropout: bool = False) -> BlockConfig:
+def hopper_forward_tiles(d: int) -> BlockConfig:
     """The Hopper forward's tiles at head dim d (64, 128 or 256), block_m = 64 rows per consumer
     warpgroup (hopper_forward_consumers). d=256 takes 64-key blocks: its 128-key ones would not fit
     shared memory beside Q; (128, 32, 4, 3) measured 418-520 TFLOP/s against (128, 64, 4, 2)'s
     487-662 in one sweep (NOTES.md "Hopper forward")."""
-    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d, dropout), 128, 4, 2)
+    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d), 128, 4, 2)
 
 
-def hopper_forward_consumers(d: int, dropout: bool = False) -> int:
+def hopper_forward_consumers(d: int) -> int:
     """Consumer warpgroups of the Hopper forward, 64 query rows each: three at d=64 (160 registers
     each; 1.06-1.12x two at 2k-16k, causal 1.00-1.04x, ab_three_consumers.txt), two elsewhere
-    (240 registers: a d=128 output tile alone takes 64 of them) and at d=64 with dropout, where
-    three measured 22-39% slower (forward TFLOP/s at p = 0.1, two alternating rounds,
-    ab_dropout_d64_consumers.txt: 4k 226-227 -> 294-296, causal 182-184 -> 254-258, 16k 238 ->
-    304-305, causal 236-237 -> 289-290, 1k 195 -> 260-264)."""
-    return 3 if d == 64 and not dropout else 2
+    (240 registers: a d=128 output tile alone takes 64 of them). With dropout too since its mask
+    is applied to packed P (f345093): forward TFLOP/s at p = 0.1, three against two, two
+    alternating rounds (ab_dropout_d64_three_consumers.txt): 4k 325-327 / 294-295, 16k 345-348 /
+    301-303, causal 16k 298-325 / 280-290, causal 4k level (259 / 259-260), 1k 253-255 / 243-269.
+    (Before it, with each fp32 score selected, three had measured 22-39% slower:
+    ab_dropout_d64_consumers.txt.)"""
+    return 3 if d == 64 else 2
 
 
 def hopper_forward_q_stages(d: int) -> int:

@@ -249,7 +249,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     if b * sq == 0:
         return out, lse
     hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq,
-                                           softcap=softcap > 0, dropout=has_dropout)
+                                           softcap=softcap > 0)
     if (hopper is not None and _hopper_supports(q, k, v, out, qk_scale, varlen)
             and alibi_fits_sm90(alibi_slopes, q, k, varlen)):
         _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap, alibi_slopes)
