@@ -33,10 +33,10 @@ from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, cdiv, current_stream, launch
 from flashtile.ops._common import (LN2, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
-                                   capped_sm90, dot_precision, dropout_apply_sm90, dropout_keep,
-                                   dropout_keep_bits_sm90, dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale, load_tile_pair,
-                                   lse_row_base, page_of, q_block_of, q_block_program, scores_log2, seq_bounds,
-                                   softcap_scales, visible)
+                                   capped_sm90, dot_precision, dropout_apply_sm90, dropout_keep, dropout_keep_bits_sm90,
+                                   dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale,
+                                   load_tile_pair, lse_row_base, page_of, q_block_of, q_block_program, scores_log2,
+                                   seq_bounds, softcap_scales, visible)
 
 
 @triton.jit
@@ -463,8 +463,8 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     l_new = l_i if ROWSUM_MMA else l_i * alpha + gl.sum(p, 1)
     if HAS_DROPOUT:
         w0, w1 = words
-        p = dropout_apply_sm90(p.to(dtype), dropout_keep_bits_sm90(w0, threshold), dropout_keep_bits_sm90(w1, threshold),
-                               HALF_M, BLOCK_N)
+        p = dropout_apply_sm90(p.to(dtype), dropout_keep_bits_sm90(w0, threshold),
+                               dropout_keep_bits_sm90(w1, threshold), HALF_M, BLOCK_N)
     return p, alpha, m_new, l_new
 
 
