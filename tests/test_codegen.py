@@ -90,8 +90,8 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
     asynchronous. Spills: the calls' 16 words per thread beside the tile. The forward carries P
     from block to block in the inputs' dtype with its mask applied (dropout_apply_sm90): d=128
     24 bytes, 148 causal (368 when it carried fp32 P and selected each score; 200 without
-    dropout), d=64 (three consumer warpgroups) 0 / 20, d=256 none. The backward at d=128 108 / 128; at d=64 with its 64-row dropout
-    blocks none."""
+    dropout), d=64 (three consumer warpgroups) 0 / 20, d=256 none. The backward at d=128 108 /
+    128; at d=64 with its 64-row dropout blocks none."""
     report = memory_ops(kernel, d, "--dropout", *(["--causal"] if causal else []))
     bound = {"forward-sm90": {64: 24, 128: 160, 256: 0}, "backward-sm90": {64: 0, 128: 128, 256: 8}}[kernel][d]
     assert report["spill_bytes"] <= bound, report
