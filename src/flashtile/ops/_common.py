@@ -326,12 +326,19 @@ def dropout_bytes(w0, w1, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl
     the top 8 bits of its word. Not TRANSPOSED: (row block, i % 8, key block, q), w0 and w1 the
     words of keys j0 = 2q and j0 + 1. TRANSPOSED: (key block, k % 8, row block, q), w0 and w1 the
     words of key k in the groups of rows 2q and 2q + 1."""
-    bits = tl.join(dropout_word_bytes(w0), dropout_word_bytes(w1))  # (..., i // 8 % 2, j // 8 % 2, w)
+    return dropout_spread(dropout_word_bytes(w0), dropout_word_bytes(w1), ROWS, COLS, TRANSPOSED)
+
+
+@triton.jit
+def dropout_spread(x0, x1, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Values of each score of the (A, 8, B, 4) groups, (..., 2, 2) indexed [i // 8 % 2, j // 8 %
+    2] (x0 for w0's scores, x1 for w1's, as dropout_bytes names them), as the (ROWS, COLS) tile."""
+    x = tl.join(x0, x1)  # (..., i // 8 % 2, j // 8 % 2, w)
     if TRANSPOSED:  # -> (key block, j // 8 % 2, k % 8, row block, i // 8 % 2, q, w)
-        bits = tl.permute(bits, (0, 5, 1, 2, 4, 3, 6))
+        x = tl.permute(x, (0, 5, 1, 2, 4, 3, 6))
     else:  # -> (row block, i // 8 % 2, i % 8, key block, j // 8 % 2, q, w)
-        bits = tl.permute(bits, (0, 4, 1, 2, 5, 3, 6))
-    return tl.reshape(bits, (ROWS, COLS))
+        x = tl.permute(x, (0, 4, 1, 2, 5, 3, 6))
+    return tl.reshape(x, (ROWS, COLS))
 
 
 @triton.jit
@@ -406,6 +413,12 @@ def dropout_keep_bits_sm90(w, threshold):
         [w, low, high], dtype=gl.uint32, is_pure=True, pack=1)
 
 
+@triton.jit
+def dropout_word_copies(w):
+    """A word for each of its four scores, (..., 2, 2) as dropout_word_bytes (no data moves)."""
+    return tl.join(tl.join(w, w), tl.join(w, w))
+
+
 @gluon.jit
 def dropout_selector_sm90(like, BYTE: gl.constexpr):
     """PRMT's selector for byte BYTE of two words a and b, sign-replicated: a's over the low 16 bits,
@@ -420,17 +433,13 @@ def dropout_apply_sm90(p, m0, m1, ROWS: gl.constexpr, KEYS: gl.constexpr):
     layout, not transposed). A pair of p's scores (row i, keys j0 and j0 + 1) takes byte 2 (j //
     8 % 2) + i // 8 % 2 of m0 and of m1: one PRMT spreads the top bits of the two over the pair's
     16-bit halves (sign-replicating selector nibbles 8 + byte and 12 + byte), one AND applies them.
-    The words reach each score as dropout_bytes spreads them, with the byte's selector beside
-    them as a constant of the register's position."""
-    words = gl.join(gl.join(gl.join(m0, m0), gl.join(m0, m0)), gl.join(gl.join(m1, m1), gl.join(m1, m1)))
+    The words reach each score as dropout_bytes spreads them (dropout_spread), with the byte's
+    selector beside them as a constant of the register's position."""
     sels = gl.join(gl.join(dropout_selector_sm90(m0, 0), dropout_selector_sm90(m0, 1)),
                    gl.join(dropout_selector_sm90(m0, 2), dropout_selector_sm90(m0, 3)))
-    sels = gl.join(sels, sels)
-    # (row block, i % 8, key block, q, i // 8 % 2, j // 8 % 2, w) -> (rows, keys), as dropout_bytes
-    words = gl.convert_layout(gl.reshape(gl.permute(words, (0, 4, 1, 2, 5, 3, 6)), (ROWS, KEYS)), p.type.layout,
-                              assert_trivial=True)
-    sels = gl.convert_layout(gl.reshape(gl.permute(sels, (0, 4, 1, 2, 5, 3, 6)), (ROWS, KEYS)), p.type.layout,
-                             assert_trivial=True)
+    words = gl.convert_layout(dropout_spread(dropout_word_copies(m0), dropout_word_copies(m1), ROWS, KEYS, False),
+                              p.type.layout, assert_trivial=True)
+    sels = gl.convert_layout(dropout_spread(sels, sels, ROWS, KEYS, False), p.type.layout, assert_trivial=True)
     return gl.inline_asm_elementwise("{ .reg .b32 m; prmt.b32 m, $2, $3, $4; and.b32 $0, $1, m; }",
                                      "=r,r,r,r,r,r", [p, words, sels], dtype=p.dtype, is_pure=True, pack=2)
 
