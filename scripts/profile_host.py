@@ -1,6 +1,6 @@
 """Host time of one decoding step and one prefill call, piece by piece (GPU machine or CPU).
 
-    PYTHONPATH=src python scripts/profile_host.py [OUT_FILE]
+    PYTHONPATH=src python scripts/profile_host.py [OUT_FILE] [--decode-only]
 
 A small cache (1 x 256 tokens, 16 q / 2 kv heads, d=128, fp16: a few µs of kernel) makes every
 loop below host-bound, so wall time per call = the host cost of that piece: flash_attn_with_kvcache
@@ -155,7 +155,7 @@ def launch_key_rows(row, split: _launch.Prepared, tensors: tuple, scalars: tuple
         _launch.current_stream = real_stream
 
 
-def main(out=None):
+def main(out=None, decode_only=False):
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     b, ctx, h, hk, d, page = 1, 256, 16, 2, 128, 16
@@ -211,6 +211,7 @@ def main(out=None):
         row("  _check_tensors (the call's tensors)", lambda: api._check_tensors(q, kc, vc, k, v))
         args = (seqlens, None, None, None, None, False, (-1, -1), 0.0, None, None, None, True, 0)
         row("  _plan_of_call (key of a call, plan found)", lambda: api._plan_of_call(q, kc, vc, k, v, args))
+        row("  _last_plan (the last call's arguments again)", lambda: api._last_plan(args, q, kc, vc, k, v))
         row("  DecodePlan(...), contiguous, append 1 (once per step)", lambda: flashtile.DecodePlan(
             b, h, kc.shape, seqlens, dtype=q.dtype, device=dev, seqlen_new=1))
         row("  DecodePlan(...), paged16, append 1", lambda: flashtile.DecodePlan(
@@ -257,7 +258,8 @@ def main(out=None):
             binder_rows()
         except Exception as e:
             lines.append(f"binder rows failed: {e!r}"[:300])
-        prefill_rows(row, lines)
+        if not decode_only:
+            prefill_rows(row, lines)
 
     prof = cProfile.Profile()
     with launches_stubbed(not cuda), api.use_backend("triton"):
@@ -270,7 +272,7 @@ def main(out=None):
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
     lines.append("cProfile, 500 calls of flash_attn_with_kvcache (paged16, append 1), by own time:")
     lines.append(s.getvalue())
-    if cuda:  # the prefill API's host path: forward + backward of a tiny causal call
+    if cuda and not decode_only:  # the prefill API's host path: forward + backward of a tiny causal call
         x = [torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
         do = torch.randn_like(x[0])
         prof = cProfile.Profile()
@@ -292,4 +294,5 @@ def main(out=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    paths = [a for a in sys.argv[1:] if a != "--decode-only"]
+    main(paths[0] if paths else None, "--decode-only" in sys.argv[1:])

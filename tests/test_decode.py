@@ -195,6 +195,31 @@ def test_a_call_plans_once_per_version(monkeypatch):
         assert len(made) == 4
 
 
+def test_the_last_calls_plan_serves_only_calls_it_fits(monkeypatch):
+    """A call with the last call's argument objects, unchanged, takes its plan without a key; one
+    whose tensors the plan does not fit (other cache capacity, other dtype) plans for itself and
+    gets the result of a fresh call, and a wrong v_cache still raises its own error."""
+    made = []
+    real = DecodePlan._plan
+    monkeypatch.setattr(DecodePlan, "_plan", lambda self, *a, **kw: made.append(1) or real(self, *a, **kw))
+    args = _call(k=None, v=None)
+    wider = dict(k_cache=torch.randn(2, 96, 2, 32).half(), v_cache=torch.randn(2, 96, 2, 32).half())
+    with api.use_backend("reference"):
+        want = {name: flash_attn_with_kvcache(**{**args, **change}) for name, change in (
+            ("same", {}), ("wider", wider), ("fp32", {n: args[n].float() for n in ("q", "k_cache", "v_cache")}))}
+        made.clear()
+        for name, change in (("same", {}), ("wider", wider), ("same", {}), ("same", {})):
+            assert torch.equal(flash_attn_with_kvcache(**{**args, **change}), want[name]), name
+        assert len(made) == 0  # each found in the recent plans or as the last call's
+        api._recent_plans.clear()
+        flash_attn_with_kvcache(**args)  # the last call's plan, not the recent ones'
+        assert len(made) == 0
+        got = flash_attn_with_kvcache(**{**args, **{n: args[n].float() for n in ("q", "k_cache", "v_cache")}})
+        assert got.dtype == torch.float32 and torch.equal(got, want["fp32"]) and len(made) == 1
+        with pytest.raises(ValueError, match=re.escape("v_cache must have shape (2, 64, 2, 32)")):
+            flash_attn_with_kvcache(**{**args, "v_cache": wider["v_cache"]})
+
+
 def test_inference_tensors_are_checked_every_call(monkeypatch):
     """Index tensors made under inference_mode have no version counter: no plan is kept for them,
     so every call reads and checks their values (an overflow written in place is caught)."""

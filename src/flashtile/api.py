@@ -9,6 +9,7 @@ without the interpreter is an error, never a silent switch.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 
 import torch
@@ -585,18 +586,26 @@ class DecodePlan:
             out (batch, seqlen_q, nheads, headdim) in q's dtype, and with return_softmax_lse
             softmax_lse (batch, nheads, seqlen_q) float32 (as flash_attn_with_kvcache).
         """
+        if not self._matches(q, k_cache, v_cache, k, v):
+            self._mismatch(q, k_cache, v_cache, k, v)
+        return self._run_matched(q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink)
+
+    def _matches(self, q, k_cache, v_cache, k, v) -> bool:
+        """Whether a run's tensors are of the plan's types, shapes, dtypes and device."""
         dtype, device, cache_shape, k_shape = self.dtype, self.device, self.cache_shape, self._k_shape
-        if not (isinstance(q, torch.Tensor) and q.shape == self._q_shape and q.dtype == dtype and q.device == device
+        return (isinstance(q, torch.Tensor) and q.shape == self._q_shape and q.dtype == dtype and q.device == device
                 and isinstance(k_cache, torch.Tensor) and k_cache.shape == cache_shape and k_cache.dtype == dtype
                 and k_cache.device == device and isinstance(v_cache, torch.Tensor) and v_cache.shape == cache_shape
                 and v_cache.dtype == dtype and v_cache.device == device
                 and (k is None and v is None if k_shape is None else
                      isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape == k_shape
                      and v.shape == k_shape and k.dtype == dtype and v.dtype == dtype and k.device == device
-                     and v.device == device)):
-            self._mismatch(q, k_cache, v_cache, k, v)
+                     and v.device == device))
+
+    def _run_matched(self, q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink):
+        """run's work once its tensors matched the plan."""
         if learnable_sink is not None:
-            learnable_sink = _checks.check_sink(learnable_sink, self.nheads, device)
+            learnable_sink = _checks.check_sink(learnable_sink, self.nheads, self.device)
         if torch.is_grad_enabled() and (q.requires_grad or k is not None and (k.requires_grad or v.requires_grad)
                                         or learnable_sink is not None and learnable_sink.requires_grad):
             raise RuntimeError("flash_attn_with_kvcache / DecodePlan.run have no backward (as flash-attn's): call "
@@ -707,10 +716,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     row with out-of-range indices gets a meaningless output and its out-of-range new keys are not
     written, but nothing outside the tensors is ever read or written.
     """
-    plan = _plan_of_call(q, k_cache, v_cache, k, v, (
-        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, num_splits))
-    return plan.run(q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink=learnable_sink)
+    args = (cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+            alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, num_splits)
+    plan = _last_plan(args, q, k_cache, v_cache, k, v)
+    if plan is not None:
+        return plan._run_matched(q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink)
+    return _plan_of_call(q, k_cache, v_cache, k, v, args).run(q, k_cache, v_cache, k, v, return_softmax_lse,
+                                                             learnable_sink=learnable_sink)
 
 
 # The plans of recent flash_attn_with_kvcache calls. The layers of a decoding step pass the same
@@ -722,6 +734,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 _recent_plans: dict = {}
 RECENT_PLANS = 8
 _PLAIN_TYPES = frozenset((type(None), bool, int, float, tuple))  # keyed by value without asking isinstance
+# The last call's (arguments, their tensors, the tensors' versions, allow_tf32, plan): a call whose
+# arguments are the same objects, unchanged, and whose tensors match the plan takes it without
+# building the key above (the next layer of a decoding step: ~2 us of host time less on a CPU
+# where a call costs ~12)
+_last_call: list = [None]
+
+
+def _last_plan(args: tuple, q, k_cache, v_cache, k, v):
+    """The last call's plan if this call's arguments (cache_seqlens to num_splits) are the same
+    objects, its tensors unchanged since, and q, the caches, k and v match the plan; else None."""
+    last = _last_call[0]
+    if last is None or torch.compiler.is_compiling():
+        return None
+    last_args, tensors, versions, tf32, plan = last
+    if not all(map(operator.is_, args, last_args)) or [t._version for t in tensors] != versions \
+            or not plan._matches(q, k_cache, v_cache, k, v):
+        return None
+    if plan.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 != tf32:
+        return None
+    return plan
 
 
 def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
@@ -733,21 +765,25 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
         try:
             # float32 dots follow allow_tf32 as it is when the plan is made; a tensor argument is
             # keyed by identity and version, anything else by value
-            key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape,
-                   q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+            tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+            key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape, tf32,
                    *[x if type(x) in _PLAIN_TYPES else (id(x), x._version) if isinstance(x, torch.Tensor) else x
                      for x in args])
             plan = _recent_plans.get(key)
         except (RuntimeError, TypeError):  # an inference tensor (no version counter), an unhashable option
             key = plan = None
+        if plan is None and key is not None:
+            plan = DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
+            if not plan._checked:  # a plan made under capture has not seen the values
+                return plan
+            if len(_recent_plans) >= RECENT_PLANS:
+                del _recent_plans[next(iter(_recent_plans))]
+            _recent_plans[key] = plan
         if plan is not None:
+            tensors = tuple(x for x in args if isinstance(x, torch.Tensor))
+            _last_call[0] = (args, tensors, [t._version for t in tensors], tf32, plan)
             return plan
-    plan = DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
-    if key is not None and plan._checked:  # a plan made under capture has not seen the values
-        if len(_recent_plans) >= RECENT_PLANS:
-            del _recent_plans[next(iter(_recent_plans))]
-        _recent_plans[key] = plan
-    return plan
+    return DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
 
 
 def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
