@@ -211,3 +211,32 @@ def test_a_hit_passes_tensors_as_addresses_and_boxes_as_they_are(kernel):
     assert box().key == box().key != _launch.Box(base, base.shape, base.stride(), (1, 32, 1, 64), layout).key
     _launch.launch(kernel, (1,), (x, y, box()), (5,), 4, None, maxnreg=96, A=1, B=True)
     assert len(kernel.triton_calls) == 2  # another register budget is another binary
+
+
+def test_prepared_launch_binds_the_last_calls_arguments(kernel, monkeypatch):
+    """A call with the last call's device, scalars and key launches through the bound arguments:
+    the same launcher arguments as a cached hit, with this call's tensors (torch tensors as their
+    addresses) and this call's current stream; any other call rebinds."""
+    import torch
+
+    streams = iter(range(100, 200))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: next(streams))
+    kernel.params = [SimpleNamespace(name=n) for n in ("X", "Y", "Z", "n", "scale", "B", "A")]
+    fixed = torch.zeros(4)
+    prepared = _launch.Prepared(kernel, (3, 2), (fixed,), (0.5,), 4, 2, A=1, B=True)
+    x, y = FakeTensor(1024), torch.zeros(8)
+    prepared((x, y), (5,))
+    assert len(kernel.triton_calls) == 1 and prepared._bound is not None
+    y2 = torch.zeros(8)
+    prepared((x, y2), (5,))
+    prepared((x, y2), (5,), stream=42)
+    prepared((x, y), (21,))  # a scalar value the key holds: the cache's hit (the same binary), bound anew
+    prepared((x, y), (21,))
+    assert len(kernel.triton_calls) == 1
+    tail = (fixed.data_ptr(), 5, 0.5, True, 1)
+    assert kernel.direct_calls[:2] == [(3, 2, 1, 101, "fn", "meta", None, None, None, x, y2.data_ptr(), *tail),
+                                       (3, 2, 1, 42, "fn", "meta", None, None, None, x, y2.data_ptr(), *tail)]
+    assert [c[3] for c in kernel.direct_calls[2:]] == [102, 103]
+    assert kernel.direct_calls[2][4:] == kernel.direct_calls[3][4:] == (
+        "fn", "meta", None, None, None, x, y.data_ptr(), fixed.data_ptr(), 21, 0.5, True, 1)
+    assert prepared._bound[0] == (0, (21,), ((x.dtype, True), (torch.float32, True)))

@@ -133,7 +133,9 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
 def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device, stream=None, general=None):
     """Launch the compiled kernel kept under key, or under general() (the key with each scalar's
     specialisation in place of its value), or go through Triton once and keep it under both;
-    stream: the current stream of device, when the caller has it."""
+    stream: the current stream of device, when the caller has it. Returns what the cache keeps for
+    the launch, (run, function, head, tail), or None when Triton's path did not give a compiled
+    kernel."""
     cache = kernel.__dict__.get("_flashtile_launches")  # {key: _direct(compiled) + (constexprs in signature order,)}
     if cache is None:
         cache = kernel._flashtile_launches = {}
@@ -148,8 +150,9 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
                 tail = names[len(tensors) + len(scalars):]
                 if len(cache) >= MAX_ENTRIES - 1:
                     cache.clear()
-                cache[key] = cache[general_key] = (*_direct(compiled), tuple(constexprs[n] for n in tail))
-            return
+                hit = cache[key] = cache[general_key] = (*_direct(compiled), tuple(constexprs[n] for n in tail))
+                return hit
+            return None
         if len(cache) >= MAX_ENTRIES:
             cache.clear()
         cache[key] = hit
@@ -157,6 +160,7 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head, *map(_pointer, tensors),
         *scalars, *tail)
+    return hit
 
 
 def _pointer(t):
@@ -209,6 +213,12 @@ class Prepared:
     specialisation, two whose fixed scalars differ only in value (the plans of successive steps
     over a growing cache). The fixed tensors are keyed once: their addresses must not change
     (nothing flashtile holds is resized in place).
+
+    The launch of the last call is also kept bound: its device, scalars and key, and the compiled
+    launcher's arguments but for the call's stream and tensors. A call with the same three (the
+    next layer of a decoding step) hands the launcher its arguments without a lookup: on the H100
+    machine's host the Prepared launch of the decoding kernel took 16 us where the compiled
+    launcher with its arguments ready took 7 (scripts/host_launches.py).
     """
 
     def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
@@ -218,6 +228,8 @@ class Prepared:
         self._rest = (num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
         self._id = _fixed_id((scalars, *self._rest))
         self._class_id = None  # the fixed part by specialisation, at the first call that needs it
+        self._grid3 = (tuple(grid) + (1, 1))[:3]
+        self._bound = None  # ((device, scalars, key), run, (function, *head), fixed pointers, (*fixed scalars, *tail))
 
     def __call__(self, tensors: tuple, scalars: tuple, stream=None, key=None) -> None:
         """Launch with these leading tensors and scalars. stream: the current CUDA stream of their
@@ -232,9 +244,21 @@ class Prepared:
         device = every[0].get_device()
         if key is None:
             key = tuple(map(_tensor_key, tensors))
-        _cached_launch(self.kernel, (self._id, device, scalars, key), self.grid, every, scalars + self.scalars,
-                       self.constexprs, self.options, device, stream,
-                       general=lambda: ("class", self._general_id(), device, _scalar_classes(scalars), key))
+        if stream is None:
+            stream = current_stream(device)
+        call, bound = (device, scalars, key), self._bound
+        if bound is not None and bound[0] == call:
+            _, run, head, fixed, tail = bound
+            g0, g1, g2 = self._grid3
+            run(g0, g1, g2, stream, *head, *[t.data_ptr() if type(t) is torch.Tensor else t for t in tensors], *fixed,
+                *scalars, *tail)
+            return
+        hit = _cached_launch(self.kernel, (self._id, device, scalars, key), self.grid, every, scalars + self.scalars,
+                             self.constexprs, self.options, device, stream,
+                             general=lambda: ("class", self._general_id(), device, _scalar_classes(scalars), key))
+        if hit is not None:
+            run, function, head, tail = hit
+            self._bound = (call, run, (function, *head), tuple(map(_pointer, self.tensors)), (*self.scalars, *tail))
 
     def _general_id(self) -> int:
         if self._class_id is None:
