@@ -12,7 +12,7 @@ Rows: torch SDPA (enable_gqa) as the peer; DecodePlan.run with one split, with 4
 into the split kernel) and with 16 (the combine kernel: two launches); flash_attn_with_kvcache with
 one split and with 16; the split and the combine launch of the 16-split plan alone through their
 Prepared launches, and through the compiled launcher with every argument ready (what no Python
-around a launch can go below); torch.empty of the output.
+around a launch can go below); the output's allocation.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main(out=None):
             q, kc, vc, cache_seqlens=lengths, num_splits=1),
         "flash_attn_with_kvcache, 16 splits": lambda: flashtile.flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lengths, num_splits=16),
-        "torch.empty (the output)": lambda: torch.empty((b, 1, h, d), dtype=q.dtype, device=dev),
+        "torch.empty_like (the output)": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
     }
     launch = plans[16]._launch
     for part in ("split", "combine"):

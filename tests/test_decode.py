@@ -197,25 +197,32 @@ def test_a_call_plans_once_per_version(monkeypatch):
 
 def test_the_last_calls_plan_serves_only_calls_it_fits(monkeypatch):
     """A call with the last call's argument objects, unchanged, takes its plan without a key; one
-    whose tensors the plan does not fit (other cache capacity, other dtype) plans for itself and
-    gets the result of a fresh call, and a wrong v_cache still raises its own error."""
+    whose tensors the plan does not fit (other cache capacity, other dtype, a wrong v_cache) or
+    made under another allow_tf32 does not take it: it plans for itself, or raises its own error."""
     made = []
     real = DecodePlan._plan
     monkeypatch.setattr(DecodePlan, "_plan", lambda self, *a, **kw: made.append(1) or real(self, *a, **kw))
     args = _call(k=None, v=None)
     wider = dict(k_cache=torch.randn(2, 96, 2, 32).half(), v_cache=torch.randn(2, 96, 2, 32).half())
+    fp32 = {n: args[n].float() for n in ("q", "k_cache", "v_cache")}
     with api.use_backend("reference"):
-        want = {name: flash_attn_with_kvcache(**{**args, **change}) for name, change in (
-            ("same", {}), ("wider", wider), ("fp32", {n: args[n].float() for n in ("q", "k_cache", "v_cache")}))}
-        made.clear()
-        for name, change in (("same", {}), ("wider", wider), ("same", {}), ("same", {})):
-            assert torch.equal(flash_attn_with_kvcache(**{**args, **change}), want[name]), name
-        assert len(made) == 0  # each found in the recent plans or as the last call's
+        want = {name: flash_attn_with_kvcache(**{**args, **change})
+                for name, change in (("same", {}), ("wider", wider), ("fp32", fp32))}
         api._recent_plans.clear()
-        flash_attn_with_kvcache(**args)  # the last call's plan, not the recent ones'
-        assert len(made) == 0
-        got = flash_attn_with_kvcache(**{**args, **{n: args[n].float() for n in ("q", "k_cache", "v_cache")}})
-        assert got.dtype == torch.float32 and torch.equal(got, want["fp32"]) and len(made) == 1
+        made.clear()
+        for name, change, plans in (("same", {}, 1), ("same", {}, 1), ("wider", wider, 2), ("same", {}, 2),
+                                    ("fp32", fp32, 3), ("fp32", fp32, 3)):
+            got = flash_attn_with_kvcache(**{**args, **change})
+            assert torch.equal(got, want[name]) and len(made) == plans, (name, len(made))
+        old = torch.backends.cuda.matmul.allow_tf32
+        try:  # float32 dots follow allow_tf32 as it was when the plan was made
+            torch.backends.cuda.matmul.allow_tf32 = not old
+            flash_attn_with_kvcache(**{**args, **fp32})
+            assert len(made) == 4
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+        flash_attn_with_kvcache(**args)
+        made.clear()
         with pytest.raises(ValueError, match=re.escape("v_cache must have shape (2, 64, 2, 32)")):
             flash_attn_with_kvcache(**{**args, "v_cache": wider["v_cache"]})
 

@@ -240,3 +240,22 @@ def test_prepared_launch_binds_the_last_calls_arguments(kernel, monkeypatch):
     assert kernel.direct_calls[2][4:] == kernel.direct_calls[3][4:] == (
         "fn", "meta", None, None, None, x, y.data_ptr(), fixed.data_ptr(), 21, 0.5, True, 1)
     assert prepared._bound[0] == (0, (21,), ((x.dtype, True), (torch.float32, True)))
+    fixed.data = torch.ones(4)  # new storage under the same tensor: the launch reads its address now
+    prepared((x, y), (21,))
+    assert kernel.direct_calls[-1][11] == fixed.data_ptr() and len(kernel.triton_calls) == 1
+
+
+def test_prepared_launch_rebinds_on_another_key_or_device(kernel):
+    """The bound launch serves only a call whose tensors have the bound dtypes and alignments and
+    whose device is the bound one: another goes through the cache (here: through Triton)."""
+    kernel.params = [SimpleNamespace(name=n) for n in ("X", "Y", "Z", "n", "scale", "B", "A")]
+    prepared = _launch.Prepared(kernel, (3,), (FakeTensor(4096),), (0.5,), 4, 2, A=1, B=True)
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    prepared((x, y), (5,))
+    other_device = FakeTensor(1024)
+    other_device.get_device = lambda: 1
+    for call in ((FakeTensor(1024 + 8), y), (FakeTensor(1024, "bf16"), y), (other_device, y)):
+        before = len(kernel.triton_calls)
+        prepared(call, (5,))
+        assert len(kernel.triton_calls) == before + 1
+        assert prepared._bound[0][0] == call[0].get_device()

@@ -730,7 +730,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # layer, looked up by the others, whose tensors DecodePlan.run then checks against it. A tensor
 # argument is keyed by identity and version counter: a plan holds the tensors of its key, so no
 # other tensor can take their ids while it is here, and writing one in place moves its version,
-# so the next call plans (and checks) again. Bounded: each entry keeps its tensors alive.
+# so the next call plans (and checks) again. Bounded: each entry keeps its tensors alive (and
+# _last_call below those of the last call, after they leave this dict).
 _recent_plans: dict = {}
 RECENT_PLANS = 8
 _PLAIN_TYPES = frozenset((type(None), bool, int, float, tuple))  # keyed by value without asking isinstance
@@ -748,6 +749,7 @@ def _last_plan(args: tuple, q, k_cache, v_cache, k, v):
     if last is None or torch.compiler.is_compiling():
         return None
     last_args, tensors, versions, tf32, plan = last
+    # identity is safe: _last_call holds the last call's objects, so none of their ids is reused
     if not all(map(operator.is_, args, last_args)) or [t._version for t in tensors] != versions \
             or not plan._matches(q, k_cache, v_cache, k, v):
         return None
@@ -766,9 +768,9 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
             # float32 dots follow allow_tf32 as it is when the plan is made; a tensor argument is
             # keyed by identity and version, anything else by value
             tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-            key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape, tf32,
-                   *[x if type(x) in _PLAIN_TYPES else (id(x), x._version) if isinstance(x, torch.Tensor) else x
-                     for x in args])
+            parts = [x if type(x) in _PLAIN_TYPES else (id(x), x._version) if isinstance(x, torch.Tensor) else x
+                     for x in args]
+            key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape, tf32, *parts)
             plan = _recent_plans.get(key)
         except (RuntimeError, TypeError):  # an inference tensor (no version counter), an unhashable option
             key = plan = None
@@ -779,9 +781,10 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
             if len(_recent_plans) >= RECENT_PLANS:
                 del _recent_plans[next(iter(_recent_plans))]
             _recent_plans[key] = plan
-        if plan is not None:
+        if plan is not None:  # the versions the plan was checked at (read into the key before planning)
             tensors = tuple(x for x in args if isinstance(x, torch.Tensor))
-            _last_call[0] = (args, tensors, [t._version for t in tensors], tf32, plan)
+            versions = [part[1] for x, part in zip(args, parts) if isinstance(x, torch.Tensor)]
+            _last_call[0] = (args, tensors, versions, tf32, plan)
             return plan
     return DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
 

@@ -215,10 +215,10 @@ class Prepared:
     (nothing flashtile holds is resized in place).
 
     The launch of the last call is also kept bound: its device, scalars and key, and the compiled
-    launcher's arguments but for the call's stream and tensors. A call with the same three (the
-    next layer of a decoding step) hands the launcher its arguments without a lookup: on the H100
-    machine's host the Prepared launch of the decoding kernel took 16 us where the compiled
-    launcher with its arguments ready took 7 (scripts/host_launches.py).
+    launcher's arguments but for the stream and the tensors' addresses, which each call reads. A
+    call with the same three (the next layer of a decoding step) hands the launcher its arguments
+    without a lookup: on the H100 machine's host the Prepared launch of the decoding kernel took
+    16 us where the compiled launcher with its arguments ready took 7 (scripts/host_launches.py).
     """
 
     def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
@@ -229,7 +229,7 @@ class Prepared:
         self._id = _fixed_id((scalars, *self._rest))
         self._class_id = None  # the fixed part by specialisation, at the first call that needs it
         self._grid3 = (tuple(grid) + (1, 1))[:3]
-        self._bound = None  # ((device, scalars, key), run, (function, *head), fixed pointers, (*fixed scalars, *tail))
+        self._bound = None  # ((device, scalars, key), run, (function, *head), (*fixed scalars, *tail))
 
     def __call__(self, tensors: tuple, scalars: tuple, stream=None, key=None) -> None:
         """Launch with these leading tensors and scalars. stream: the current CUDA stream of their
@@ -248,17 +248,18 @@ class Prepared:
             stream = current_stream(device)
         call, bound = (device, scalars, key), self._bound
         if bound is not None and bound[0] == call:
-            _, run, head, fixed, tail = bound
+            _, run, head, tail = bound
             g0, g1, g2 = self._grid3
-            run(g0, g1, g2, stream, *head, *[t.data_ptr() if type(t) is torch.Tensor else t for t in tensors], *fixed,
-                *scalars, *tail)
+            # every address read now: a fixed tensor keeps its key, but its storage may move (t.data = ...)
+            run(g0, g1, g2, stream, *head, *[t.data_ptr() if type(t) is torch.Tensor else t for t in every], *scalars,
+                *tail)
             return
         hit = _cached_launch(self.kernel, (self._id, device, scalars, key), self.grid, every, scalars + self.scalars,
                              self.constexprs, self.options, device, stream,
                              general=lambda: ("class", self._general_id(), device, _scalar_classes(scalars), key))
         if hit is not None:
             run, function, head, tail = hit
-            self._bound = (call, run, (function, *head), tuple(map(_pointer, self.tensors)), (*self.scalars, *tail))
+            self._bound = (call, run, (function, *head), (*self.scalars, *tail))
 
     def _general_id(self) -> int:
         if self._class_id is None:

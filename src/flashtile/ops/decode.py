@@ -605,7 +605,8 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, k=None, v=None, want_
     if (sink is not None) != p.has_sink:
         raise ValueError(f"this decoding launch was planned {'with' if p.has_sink else 'without'} an attention sink")
     device = q.device
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # out_shape: fewer arguments than torch.empty
+    # q's shape is out_shape (checked by the plan's run); empty_like parses less than torch.empty
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if want_lse:
         lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
     else:
