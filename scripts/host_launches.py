@@ -53,8 +53,8 @@ def ready_launch(prepared: _launch.Prepared, args):
     every = tensors + prepared.tensors
     device = every[0].get_device()
     run, function, head, tail = prepared.kernel._flashtile_launches[(prepared._id, device, scalars, key)]
-    g0, g1, g2 = (tuple(prepared.grid) + (1, 1))[:3]
-    bound = (g0, g1, g2, stream, function, *head, *map(_launch._pointer, every), *scalars, *prepared.scalars, *tail)
+    g0, g1, g2 = prepared._grid3
+    bound = (g0, g1, g2, stream, function, *head, *_launch._pointers(every), *scalars, *prepared.scalars, *tail)
     return lambda: run(*bound)
 
 

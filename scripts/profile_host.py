@@ -250,7 +250,7 @@ def main(out=None, decode_only=False):
             g = tuple(grid) + (1,) * (3 - len(grid))
             row("  CompiledKernel.run direct (a cached launch's hit)", lambda: compiled.run(
                 g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *bound))
-            pointers = [_launch._pointer(a) for a in bound]
+            pointers = _launch._pointers(bound)
             row("  CompiledKernel.run direct, tensors passed as addresses", lambda: compiled.run(
                 g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *pointers))
 

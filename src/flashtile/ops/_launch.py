@@ -157,20 +157,25 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
             cache.clear()
         cache[key] = hit
     run, function, head, tail = hit
-    g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-    run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head, *map(_pointer, tensors),
+    g0, g1, g2 = _grid3(grid)
+    run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head, *_pointers(tensors),
         *scalars, *tail)
     return hit
 
 
-def _pointer(t):
-    """A tensor argument as the compiled launcher takes it on a cached hit: a plain tensor as its
+def _grid3(grid) -> tuple:
+    """A launch grid as the compiled launcher takes it: three dimensions."""
+    return (tuple(grid) + (1, 1))[:3]
+
+
+def _pointers(tensors) -> list:
+    """Tensor arguments as the compiled launcher takes them on a cached hit: a plain tensor as its
     address. Given a tensor, the launcher calls its data_ptr and then asks the driver whether the
     address is device memory (cuPointerGetAttribute) on every launch; given an int it does neither.
     The key does not hold a tensor's device, so that question is the callers': every launch site's
     tensors come checked to be on the launch's device (_checks and the API) or made there. Anything
     else (None, a TMA descriptor, a tensor subclass) goes as it is."""
-    return t.data_ptr() if type(t) is torch.Tensor else t
+    return [t.data_ptr() if type(t) is torch.Tensor else t for t in tensors]
 
 
 def _direct(compiled) -> tuple:
@@ -228,7 +233,7 @@ class Prepared:
         self._rest = (num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
         self._id = _fixed_id((scalars, *self._rest))
         self._class_id = None  # the fixed part by specialisation, at the first call that needs it
-        self._grid3 = (tuple(grid) + (1, 1))[:3]
+        self._grid3 = _grid3(grid)
         self._bound = None  # ((device, scalars, key), run, (function, *head), (*fixed scalars, *tail))
 
     def __call__(self, tensors: tuple, scalars: tuple, stream=None, key=None) -> None:
@@ -251,8 +256,7 @@ class Prepared:
             _, run, head, tail = bound
             g0, g1, g2 = self._grid3
             # every address read now: a fixed tensor keeps its key, but its storage may move (t.data = ...)
-            run(g0, g1, g2, stream, *head, *[t.data_ptr() if type(t) is torch.Tensor else t for t in every], *scalars,
-                *tail)
+            run(g0, g1, g2, stream, *head, *_pointers(every), *scalars, *tail)
             return
         hit = _cached_launch(self.kernel, (self._id, device, scalars, key), self.grid, every, scalars + self.scalars,
                              self.constexprs, self.options, device, stream,
