@@ -237,14 +237,14 @@ def page_of(table, start_n, offs_n, max_pages, num_pages, PAGE_SIZE: tl.constexp
 # a key k to (hi(M c0) ^ k ^ c1, lo(M c0)); the key grows by W between rounds.
 PHILOX2_M = tl.constexpr(0xD256D193)
 PHILOX2_W = tl.constexpr(0x9E3779B9)
-PHILOX_ROUNDS = tl.constexpr(10)
+PHILOX_ROUNDS = tl.constexpr(7)  # reference/dropout.py says why 7
 HEAD_KEY_STRIDE = tl.constexpr(0x2545F491)  # odd: distinct heads of one call get distinct keys
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX there
 
 
 @triton.jit
 def philox2x32(key, c0, c1):
-    """Philox2x32-10 of uint32 counters (c0, c1) under the uint32 key: two uint32 words."""
+    """Philox2x32-7 of uint32 counters (c0, c1) under the uint32 key: two uint32 words."""
     for _ in tl.static_range(PHILOX_ROUNDS):
         if INTERPRETED:
             hi = tl.math.umulhi(c0, PHILOX2_M)
@@ -265,7 +265,7 @@ def dropout_keep(seed, bh, start_m, BLOCK_M: tl.constexpr, start_n, BLOCK_N: tl.
     """Which scores of rows [start_m, start_m + BLOCK_M) x keys [start_n, start_n + BLOCK_N) of
     head bh survive dropout: (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) when TRANSPOSED.
 
-    One Philox2x32-10 call gives two 32-bit words, eight bytes: one for each score of the 2 x 4
+    One Philox2x32-7 call gives two 32-bit words, eight bytes: one for each score of the 2 x 4
     group rows {i0, i0 + 8} x keys {j0, j0 + 1, j0 + 8, j0 + 9} (i0 = 16 (i // 16) + i % 8,
     j0 = 16 (j // 16) + j % 8 - j % 2). seed = (key, x0, x1) of the call (dropout_seed); counter
     (j0 // 16 * 4 + j0 % 8 // 2 ^ x0, i0 // 16 * 8 + i0 % 8 ^ x1), key + bh * HEAD_KEY_STRIDE (the
@@ -311,7 +311,7 @@ def dropout_bar(threshold):
 
 @triton.jit
 def dropout_words(seed, bh, i, j):
-    """The Philox2x32-10 calls of head bh at group counters i (rows: i0 // 16 * 8 + i0 % 8) and j
+    """The Philox2x32-7 calls of head bh at group counters i (rows: i0 // 16 * 8 + i0 % 8) and j
     (keys: j0 // 16 * 4 + j0 % 8 // 2), broadcast against each other: (w0, w1)."""
     key, x0, x1 = seed
     head_key = tl.add(key, tl.mul(bh.to(tl.uint32), HEAD_KEY_STRIDE, sanitize_overflow=False),
