@@ -194,12 +194,16 @@ def test_backward_long(hopper_backward_launches, d):
     assert hopper_backward_launches
 
 
+@pytest.mark.parametrize("dropout", [False, True], ids=["", "dropout"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal, d):
+def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal, d, dropout):
     """accumulate_dq (ring attention's dQ sum): the kernel's reduce-adds, scaled, go into the
-    caller's float32 rows (a view of a longer buffer) instead of a buffer of its own."""
-    check_dq_accumulates(2, 700, 900, 8, 2, d, torch.bfloat16, "cuda", causal=causal)
+    caller's float32 rows (a view of a longer buffer) instead of a buffer of its own; with dropout,
+    whose dS the kernel leaves in units of backward_ds_unit (d=64 and 128), through one of its own
+    added at that scale."""
+    kw = {"dropout": (0.17, draw_rng("cuda"))} if dropout else {}
+    check_dq_accumulates(2, 700, 900, 8, 2, d, torch.bfloat16, "cuda", causal=causal, **kw)
     assert len(hopper_backward_launches) == 2
 
 

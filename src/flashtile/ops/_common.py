@@ -413,6 +413,36 @@ def dropout_keep_bits_sm90(w, threshold):
         [w, low, high], dtype=gl.uint32, is_pure=True, pack=1)
 
 
+@gluon.jit
+def dropout_sign_sm90(p, keep_words, ROWS: gl.constexpr, KEYS: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """p (fp32, >= 0, an accumulator's layout as dropout_keep_sm90's) with the sign of every dropped
+    score flipped: the keep-mask rides in P's sign bit, no register of its own. keep_words:
+    dropout_keep_bits_sm90 of each word of dropout_words_sm90's calls (compared four bytes at a
+    time before the scores arrive); each score's keep bit is shifted to bit 31 (dropout_bytes) and
+    one LOP3 flips p's sign where it is clear: p ^ (~bits & 0x80000000)."""
+    m0, m1 = keep_words
+    if TRANSPOSED:
+        bits = dropout_bytes(m0, m1, KEYS, ROWS, True)
+    else:
+        bits = dropout_bytes(m0, m1, ROWS, KEYS, False)
+    bits = gl.convert_layout(bits, p.type.layout, assert_trivial=True)
+    return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x80000000, 0xD2;", "=r,r,r", [p, bits],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def relu_to_sm90(x, dtype: gl.constexpr):
+    """max(x, 0) of fp32 x in dtype (fp16 / bf16): one conversion with ReLU per pair, where the
+    maximum and the conversion took three instructions."""
+    if dtype == gl.bfloat16:
+        y = gl.inline_asm_elementwise("cvt.rn.relu.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                      is_pure=True, pack=2)
+    else:
+        y = gl.inline_asm_elementwise("cvt.rn.relu.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                      is_pure=True, pack=2)
+    return y
+
+
 @triton.jit
 def dropout_word_copies(w):
     """A word for each of its four scores, (..., 2, 2) as dropout_word_bytes (no data moves)."""
@@ -427,21 +457,31 @@ def dropout_selector_sm90(like, BYTE: gl.constexpr):
 
 
 @gluon.jit
-def dropout_apply_sm90(p, m0, m1, ROWS: gl.constexpr, KEYS: gl.constexpr):
-    """p (fp16 / bf16, an accumulator's layout, rows x keys of the calls) with the dropped scores
-    zeroed, from dropout_keep_bits_sm90's words m0 and m1 of the calls (dropout_words_sm90's
-    layout, not transposed). A pair of p's scores (row i, keys j0 and j0 + 1) takes byte 2 (j //
-    8 % 2) + i // 8 % 2 of m0 and of m1: one PRMT spreads the top bits of the two over the pair's
-    16-bit halves (sign-replicating selector nibbles 8 + byte and 12 + byte), one AND applies them.
-    The words reach each score as dropout_bytes spreads them (dropout_spread), with the byte's
-    selector beside them as a constant of the register's position."""
+def dropout_apply_sm90(p, m0, m1, ROWS: gl.constexpr, KEYS: gl.constexpr, dtype: gl.constexpr):
+    """p (fp32, an accumulator's layout, rows x keys of the calls) in dtype (fp16 / bf16) with the
+    dropped scores zeroed, from dropout_keep_bits_sm90's words m0 and m1 of the calls
+    (dropout_words_sm90's layout, not transposed). A pair of p's scores (row i, keys j0 and j0 + 1)
+    takes byte 2 (j // 8 % 2) + i // 8 % 2 of m0 and of m1: one PRMT spreads the top bits of the two
+    over the pair's 16-bit halves (sign-replicating selector nibbles 8 + byte and 12 + byte), one
+    AND applies them to the pair converted by one CVT. The words reach each score as dropout_bytes
+    spreads them (dropout_spread), with the byte's selector beside them as a constant of the
+    register's position. The conversion sits in the same asm so that the pair goes from fp32 to
+    P V's operand with no unpacking in between (packed bf16 in and out of the asm cost ptxas 26
+    register moves a step at d=128)."""
     sels = gl.join(gl.join(dropout_selector_sm90(m0, 0), dropout_selector_sm90(m0, 1)),
                    gl.join(dropout_selector_sm90(m0, 2), dropout_selector_sm90(m0, 3)))
     words = gl.convert_layout(dropout_spread(dropout_word_copies(m0), dropout_word_copies(m1), ROWS, KEYS, False),
                               p.type.layout, assert_trivial=True)
     sels = gl.convert_layout(dropout_spread(sels, sels, ROWS, KEYS, False), p.type.layout, assert_trivial=True)
-    return gl.inline_asm_elementwise("{ .reg .b32 m; prmt.b32 m, $2, $3, $4; and.b32 $0, $1, m; }",
-                                     "=r,r,r,r,r,r", [p, words, sels], dtype=p.dtype, is_pure=True, pack=2)
+    if dtype == gl.bfloat16:
+        q = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, m; cvt.rn.bf16x2.f32 t, $2, $1; prmt.b32 m, $3, $4, $5; and.b32 $0, t, m; }",
+            "=r,r,r,r,r,r,r", [p, words, sels], dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        q = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, m; cvt.rn.f16x2.f32 t, $2, $1; prmt.b32 m, $3, $4, $5; and.b32 $0, t, m; }",
+            "=r,r,r,r,r,r,r", [p, words, sels], dtype=gl.float16, is_pure=True, pack=2)
+    return q
 
 
 def softcap_scales(qk_scale: float, softcap: float) -> tuple[float, float]:

@@ -42,9 +42,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
-                                   cap_derivative_sm90, capped_sm90, dot_precision, dropout_keep, dropout_keep_sm90,
-                                   dropout_seed, dropout_words_sm90, head_chunked_order, head_dim_mask, in_window,
-                                   kernel_scale, load_tile_pair, lse_row_base, scores_log2, seq_bounds,
+                                   cap_derivative_sm90, capped_sm90, dot_precision, dropout_keep,
+                                   dropout_keep_bits_sm90, dropout_keep_sm90, dropout_seed, dropout_sign_sm90,
+                                   dropout_words_sm90, head_chunked_order, head_dim_mask, in_window, kernel_scale,
+                                   load_tile_pair, lse_row_base, relu_to_sm90, scores_log2, seq_bounds,
                                    softcap_scales, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
@@ -617,7 +618,7 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk, group,
                       start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap,
-                      softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
+                      dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
                       stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT: gl.constexpr,
                       HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                       HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_ALIBI: gl.constexpr):
@@ -634,7 +635,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     forward's keep-mask (made while S^T is computed), dV is scaled by 1 / (1 - p) at the end, as
     in the Triton programs. IS_VARLEN: dK and dV leave through pointers, masked at the sequence's
     last key (a TMA store of the block would write its zeros over the next sequence's first keys);
-    tb, q0, k0 as _bwd_sm90_load's."""
+    tb, q0, k0 as _bwd_sm90_load's. dk_scale: dK's factor at the end, softmax_scale times
+    backward_ds_unit."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]  # this warpgroup's keys (with SPLIT_D, the program's)
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -657,9 +659,11 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     n_steps = group * n_m
     if HAS_DROPOUT:
         seed = dropout_seed(Rng)
+        delta_unit = 2.0 / dropout_scale  # D / u of _bwd_sm90_step's dS
     else:
         seed = (0, 0, 0)
-    drop = (seed, b * nheads + hk * group, threshold, dropout_scale)  # bh of step i: drop[1] + i // n_m
+        delta_unit = 1.0
+    drop = (seed, b * nheads + hk * group, threshold, dropout_scale, delta_unit)  # bh of step i: drop[1] + i // n_m
     if HAS_ALIBI:  # step i's slope: alibi[0] + (i // n_m) * alibi[1], times alibi[2]
         alibi = (Slopes + b * stride_slope_b + hk * group * stride_slope_h, stride_slope_h,
                  alibi_unit_sm90(qk_scale, HAS_SOFTCAP))
@@ -719,11 +723,11 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         rows = (k0 + keys)[:, None].to(gl.int64)
         ok = (keys < sk)[:, None]
         gl.store(DK + hk.to(gl.int64) * stride_dkh + rows * stride_dkn + cols[None, :],
-                 (dk * softmax_scale).to(DK.dtype.element_ty), mask=ok)
+                 (dk * dk_scale).to(DK.dtype.element_ty), mask=ok)
         gl.store(DV + hk.to(gl.int64) * stride_dvh + rows * stride_dvn + cols[None, :], dv.to(DV.dtype.element_ty),
                  mask=ok)
     else:
-        dk_smem.reshape([HALF_N, OWN_D]).store((dk * softmax_scale).to(q_bufs.dtype))
+        dk_smem.reshape([HALF_N, OWN_D]).store((dk * dk_scale).to(q_bufs.dtype))
         dv_smem.reshape([HALF_N, OWN_D]).store(dv.to(q_bufs.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, col], dk_smem)
@@ -767,8 +771,9 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP^T = V dO^T
     if HAS_DROPOUT:
-        seed, bh0, threshold, dropout_scale = drop
-        words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
+        seed, bh0, threshold, _, delta_unit = drop
+        w0, w1 = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
+        keep_words = (dropout_keep_bits_sm90(w0, threshold), dropout_keep_bits_sm90(w1, threshold))
     if HAS_ALIBI:
         slopes, stride_slope_h, unit = alibi
         slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
@@ -785,9 +790,9 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = gl.where(ok, p_t, 0.0)
-    if HAS_DROPOUT:  # P >= 0, so its sign can carry the keep-mask to dP^T: no registers for the mask
-        p_t = gl.where(dropout_keep_sm90(words, threshold, s_layout, BLOCK_M, HALF_N, True), p_t, -p_t)
-        p_op = gl.convert_layout(gl.maximum(p_t, 0.0).to(dtype), op_layout)
+    if HAS_DROPOUT:  # P >= 0, so its sign can carry the keep-mask to dP^T: P' = P kept, -P dropped
+        p_t = dropout_sign_sm90(p_t, keep_words, BLOCK_M, HALF_N, True)
+        p_op = gl.convert_layout(relu_to_sm90(p_t, dtype), op_layout)
     else:
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -795,9 +800,9 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
         p_t = p_t * dcap
     dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
     delta = delta_bufs.index(stage).load(row_layout)[None, :]
-    if HAS_DROPOUT:  # dS = P (keep dP / (1 - p) - D) = P' h + |P'| (h - D), h = dP / (2 (1 - p)), P' = +-P
-        h = dp_t * (0.5 * dropout_scale)
-        ds_t = (p_t * h + gl.abs(p_t) * (h - delta)).to(dtype)
+    if HAS_DROPOUT:  # dS = P (keep dP / (1 - p) - D) = u (P' dP + |P'| (dP - D / u)), u = 1 / (2 (1 - p)): the
+        # step leaves dS / u (three instructions a score, as backward_ds_unit says), dK and dQ take u at the end
+        ds_t = (p_t * dp_t + gl.abs(p_t) * (dp_t - delta * delta_unit)).to(dtype)
     else:
         ds_t = (p_t * (dp_t - delta)).to(dtype)
     ds_op = gl.convert_layout(ds_t, op_layout)
@@ -871,7 +876,7 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
     dp_tok = warpgroup_mma(do, v.slice(half * OWN_N, OWN_N, dim=0).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
     if HAS_DROPOUT:
-        seed, bh0, threshold, dropout_scale = drop
+        seed, bh0, threshold, dropout_scale, _ = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
     if HAS_ALIBI:
         slopes, stride_slope_h, unit = alibi
@@ -948,7 +953,7 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
 @gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k", "threshold"])
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
                      CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                     nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, softmax_scale, threshold,
+                     nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, dk_scale, threshold,
                      dropout_scale, total_q, total_k, softcap, stride_slope_b, stride_slope_h,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
@@ -1023,13 +1028,13 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, tb, q0, k0,
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
-                             softcap, softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
+                             softcap, dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
                              stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
                              HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, tb, q0, k0,
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
-                             softcap, softmax_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
+                             softcap, dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
                              stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
                              HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
@@ -1063,12 +1068,19 @@ def sm90_boxes(cfg, d: int) -> dict:
                 dk_desc=(keys, kv_cols), dv_desc=(keys, kv_cols), dq_desc=(cfg.block_m, d // 4 if split else d // 2))
 
 
+def backward_ds_unit(dropout_scale: float, has_dropout: bool, split_d: bool) -> float:
+    """The true dS over what a step of _bwd_kernel_sm90 computes, 1 / (2 (1 - p)) with dropout
+    (_bwd_sm90_step; not with SPLIT_D): dK takes it in the kernel's epilogue and dQ on the host,
+    which saves the step a multiply a score."""
+    return 0.5 * dropout_scale if has_dropout and not split_d else 1.0
+
+
 def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq,
                  dropout=None, varlen=None, softcap=0.0, alibi_slopes=None):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
-    accumulate_dq: dq (float32) is the buffer the kernel adds into, and stays unscaled; dropout,
-    varlen (a packed batch), softcap and alibi_slopes as attention_backward's; delta (shaped like
-    lse) gets delta when given.
+    accumulate_dq: dq (float32) gets dQ / softmax_scale added, by the kernel or (where its dS is
+    scaled, backward_ds_unit) through a buffer of its own; dropout, varlen (a packed batch),
+    softcap and alibi_slopes as attention_backward's; delta (shaped like lse) gets delta when given.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     h, d = q.shape[-2:]
     hk = k.shape[-2]
@@ -1082,7 +1094,11 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
                                                                 vl_tensors[0]),
            (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q, d), pre.num_warps,
            pre.num_stages, BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True, IS_VARLEN=packed)
-    dq_acc = dq if accumulate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
+    split = configs.hopper_backward_split_d(d)
+    ds_unit = backward_ds_unit(dropout_scale, has_dropout, split)
+    # the kernel adds dQ / (softmax_scale ds_unit): a buffer of its own where dq must get dQ / softmax_scale
+    dq_acc = dq if accumulate_dq and ds_unit == 1 else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     # a packed batch's dK / dV leave through pointers (the kernel's IS_VARLEN epilogue)
     grad_ptrs, grad_strides = ((dk, dv), (*dk.stride()[:2], *dv.stride()[:2])) if packed else ((None, None), (0,) * 4)
     if packed:  # one sequence of all the rows for the copy engine; the kernel finds each
@@ -1095,18 +1111,19 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     def box(t, name):
         return box_descriptor(t, *boxes[name])
 
-    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     qk_scale, softcap2 = kernel_scale(softmax_scale, softcap)
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
     launch(_bwd_kernel_sm90, (cdiv(sk, cfg.block_n), hk, b),
            (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
             box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes),
-           (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale, threshold,
+           (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale * ds_unit, threshold,
             dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
            NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(d),
-           SPLIT_D=configs.hopper_backward_split_d(d), HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
+           SPLIT_D=split, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
            IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None)
     if not accumulate_dq:
-        torch.mul(dq_acc, softmax_scale, out=dq)
+        torch.mul(dq_acc, softmax_scale * ds_unit, out=dq)
+    elif dq_acc is not dq:
+        dq.add_(dq_acc, alpha=ds_unit)

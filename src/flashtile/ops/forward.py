@@ -433,13 +433,15 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     caller rescales and adds to, and comes back as it is. HAS_SOFTCAP: the scores are capped
     (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_ALIBI: after the cap, the bias
     -slope |i + diag_offset - j| (slope in alibi_unit_sm90's units). HAS_DROPOUT: the block's Philox calls
-    (head bh) are made before the wait, while S is computed; l sums P before dropout, and the
-    returned p (P V's operand) is P in the inputs' dtype with the dropped scores zeroed: each
-    call's bytes compared four at a time (dropout_keep_bits_sm90) and applied to pairs of packed
-    scores (dropout_apply_sm90), 1.75 instructions a score where a compare and a select of each
-    fp32 score took 3."""
+    (head bh) are made and their bytes compared four at a time (dropout_keep_bits_sm90) before the
+    wait, while S is computed; l sums P before dropout, and the returned p (P V's operand) is P in
+    the inputs' dtype with the dropped scores zeroed, applied to converted pairs
+    (dropout_apply_sm90): 1.75 instructions a score where a compare and a select of each fp32
+    score took 3."""
     if HAS_DROPOUT:
-        words = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
+        w0, w1 = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
+        m0 = dropout_keep_bits_sm90(w0, threshold)
+        m1 = dropout_keep_bits_sm90(w1, threshold)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
     s_layout: gl.constexpr = qk.type.layout
     if HAS_SOFTCAP:  # capped before the max: a cap is no scale
@@ -462,9 +464,7 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i if ROWSUM_MMA else l_i * alpha + gl.sum(p, 1)
     if HAS_DROPOUT:
-        w0, w1 = words
-        p = dropout_apply_sm90(p.to(dtype), dropout_keep_bits_sm90(w0, threshold),
-                               dropout_keep_bits_sm90(w1, threshold), HALF_M, BLOCK_N)
+        p = dropout_apply_sm90(p, m0, m1, HALF_M, BLOCK_N, dtype)
     return p, alpha, m_new, l_new
 
 
