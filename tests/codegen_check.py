@@ -184,7 +184,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
         elif n in ("lse_desc", "delta_desc"):
             signature[n] = f"tensordesc<fp32[{cfg.block_m}],{backward.ROW_LAYOUT!r}>"
         else:
-            signature[n] = ("fp32" if n in ("qk_scale", "softcap", "softmax_scale", "dk_scale", "dropout_scale") else
+            signature[n] = ("fp32" if n in ("qk_scale", "softcap", "dk_scale", "dropout_scale") else
                             "*i64" if n == "Rng" else "*i32" if n in ("CuSeqQ", "CuSeqK") else
                             "*fp32" if n == "Slopes" else
                             "*bf16" if n in ("DK", "DV") else "i32")

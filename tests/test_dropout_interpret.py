@@ -57,7 +57,7 @@ PHILOX2X32_KAT = [
 @pytest.mark.parametrize("counter,key,want7,want10", PHILOX2X32_KAT, ids=["zeros", "ones", "pi"])
 def test_philox2x32_known_answers(counter, key, want7, want10):
     """Philox2x32 against Random123's known-answer vectors: 7 rounds (what dropout draws) in torch
-    and in the kernels, and 10 in torch (the round function, with the default count)."""
+    and in the kernels, and 10 in torch (the round function at Random123's default count)."""
     assert tuple(int(x) for x in philox2x32(key, *counter)) == want7
     assert tuple(int(x) for x in philox2x32(key, *counter, rounds=10)) == want10
     out = torch.empty(2, dtype=torch.int64)

@@ -194,15 +194,15 @@ def test_backward_long(hopper_backward_launches, d):
     assert hopper_backward_launches
 
 
-@pytest.mark.parametrize("dropout", [False, True], ids=["", "dropout"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17, 0.5], ids=["", "dropout", "dropout-half"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal, d, dropout):
+def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal, d, dropout_p):
     """accumulate_dq (ring attention's dQ sum): the kernel's reduce-adds, scaled, go into the
     caller's float32 rows (a view of a longer buffer) instead of a buffer of its own; with dropout,
     whose dS the kernel leaves in units of backward_ds_unit (d=64 and 128), through one of its own
-    added at that scale."""
-    kw = {"dropout": (0.17, draw_rng("cuda"))} if dropout else {}
+    added at that scale, except at p = 0.5, where the unit is 1."""
+    kw = {"dropout": (dropout_p, draw_rng("cuda"))} if dropout_p else {}
     check_dq_accumulates(2, 700, 900, 8, 2, d, torch.bfloat16, "cuda", causal=causal, **kw)
     assert len(hopper_backward_launches) == 2
 
@@ -304,13 +304,15 @@ def test_dropout_window(hopper_launches, hopper_backward_launches, window):
     assert hopper_launches and hopper_backward_launches
 
 
+@pytest.mark.parametrize("p", [0.2, 0.6])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
-def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, d):
+def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, d, p):
     """The Hopper backward and the Triton one (deterministic=True) regenerate the same mask: their
-    gradients of one Hopper forward agree (a mask differing in 1 of 5 scores would not)."""
+    gradients of one Hopper forward agree (a mask differing in 1 of 5 scores would not); at p = 0.6
+    the threshold is past 128, the other branch of the four-bytes-at-a-time compare."""
     q, k, v = make_qkv(2, 1000, 1100, 4, 2, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
-    dropout = (0.2, draw_rng("cuda"))
+    dropout = (p, draw_rng("cuda"))
     scale = d ** -0.5
     out, lse = forward.attention_forward(q, k, v, scale, (None, 0), dropout=dropout)
     assert hopper_launches

@@ -19,7 +19,8 @@ state with O = 0 and L = t_h. The backward runs the ring again; each piece's ker
 from the *final* L (the global softmax, sink included) and take delta = rowsum(dO * O) of the
 final O, so their dQ, dK, dV are exactly that block's share of the gradient (as flash-attn's ring
 implementations do): dQ accumulates on the rank in float32, added there by the kernels themselves
-and unscaled (attention_backward's accumulate_dq: no dQ buffer per piece, no pass to add it;
+and unscaled (attention_backward's accumulate_dq: no dQ buffer per piece, no pass to add it, but
+with dropout at d <= 128, where the Hopper kernel's dS is in units of its own, backward_ds_unit;
 the sum is scaled once at the end); dK/dV of the
 held shard accumulate in float32 buffers that travel with it, one hop behind the K/V, and arrive
 at the owner after the last step. float32 because each hop adds to them, and bf16 would round at

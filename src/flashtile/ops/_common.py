@@ -353,11 +353,12 @@ def dropout_words_sm90(seed, bh, start_m, start_n, ROWS: gl.constexpr, KEYS: gl.
     """dropout_keep's Philox calls for a Hopper kernel's wgmma accumulator of rows [start_m,
     start_m + ROWS) x keys [start_n, start_n + KEYS), or its transpose, held by one warpgroup
     (four warps of 16 rows, or of 16 keys when TRANSPOSED). The group tensor is laid out so that
-    each thread makes one call per 16 x 16 block of its scores, which dropout_keep_sm90 then
-    spreads over the accumulator's layout without moving data between threads: issued before
-    the wait for the scores, the calls run under the matrix product. TRANSPOSED, the thread with
+    each thread makes one call per 16 x 16 block of its scores, which dropout_keep_sm90,
+    dropout_sign_sm90 and dropout_apply_sm90 then spread over the accumulator's layout without
+    moving data between threads: issued before the wait for the scores, the calls run under the
+    matrix product. TRANSPOSED, the thread with
     the even key k calls the group of rows 2q, the one with k + 1 (lane ^ 4) that of rows 2q + 1,
-    and they trade a word by shuffle. (w0, w1) for dropout_keep_sm90."""
+    and they trade a word by shuffle. (w0, w1)."""
     g: gl.constexpr = gl.BlockedLayout([1, 1, (ROWS if TRANSPOSED else KEYS) // 16, 1], [1, 8, 1, 4],
                                        [gl.num_warps(), 1, 1, 1], [3, 2, 1, 0])
     outer: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, g))  # dims 0, 1

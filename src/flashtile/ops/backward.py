@@ -464,7 +464,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     its dQ sums the key blocks in an order that varies from run to run (as flash-attn's).
     accumulate_dq: dq is a float32 tensor shaped like q, and the call adds dQ / softmax_scale into
     it: the sum the Hopper kernel keeps anyway, left unscaled (ring attention sums the dQ of a
-    shard's pieces so, without a buffer per piece, and scales the sum once).
+    shard's pieces so, without a buffer per piece, and scales the sum once; with dropout the
+    Hopper kernel's dQ is in units of backward_ds_unit, and goes through a buffer of its own).
     """
     if accumulate_dq and (dq is None or dq.dtype != torch.float32 or dq.shape != q.shape):
         raise ValueError(f"accumulate_dq needs dq: a float32 tensor shaped like q {tuple(q.shape)}, got "
@@ -743,8 +744,9 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
                    HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
     and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
-    step i-1's dQ first (HAS_PREV); dQ goes to batch tb, rows from q0 (_bwd_sm90_load's). Returns
-    dK, dV."""
+    step i-1's dQ first (HAS_PREV); dQ goes to batch tb, rows from q0 (_bwd_sm90_load's). With
+    HAS_DROPOUT, dS is in units of backward_ds_unit (so are dK and the dQ it adds). Returns dK,
+    dV."""
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]
@@ -801,7 +803,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
     delta = delta_bufs.index(stage).load(row_layout)[None, :]
     if HAS_DROPOUT:  # dS = P (keep dP / (1 - p) - D) = u (P' dP + |P'| (dP - D / u)), u = 1 / (2 (1 - p)): the
-        # step leaves dS / u (three instructions a score, as backward_ds_unit says), dK and dQ take u at the end
+        # step leaves dS / u (three instructions a score where four were), dK and dQ take u at the end
         ds_t = (p_t * dp_t + gl.abs(p_t) * (dp_t - delta * delta_unit)).to(dtype)
     else:
         ds_t = (p_t * (dp_t - delta)).to(dtype)
@@ -939,8 +941,9 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
 
 @gluon.jit
 def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
-    """A consumer's half of a Q block's dQ (its columns half * HALF_D onwards) into the fp32 dQ
-    buffer at (tb, row) by TMA reduce-add (rows past the tensor are clipped; in a packed batch the
+    """A consumer's half of a Q block's dQ (its columns half * HALF_D onwards; over softmax_scale,
+    and with dropout in backward_ds_unit's units) into the fp32 dQ buffer at (tb, row) by TMA
+    reduce-add (rows past the tensor are clipped; in a packed batch the
     rows past the sequence's end, whose P is 0, add zeros to the next one's), through its shared
     buffer once the previous reduction has read it."""
     HALF_D: gl.constexpr = dq.shape[1]
@@ -967,7 +970,7 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     longest: a program finds its sequence in cu_seqlens (seq_bounds); a key block past its end
     does nothing, and one that runs into the next sequence masks every step (those keys' rows of
     P^T are zero, so nothing of them reaches dQ). HAS_SOFTCAP: capped scores (capped_sm90; qk_scale
-    and softcap are softcap_scales'). HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with
+    and softcap are softcap_scales'). dk_scale: dK's factor, softmax_scale times backward_ds_unit. HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with
     their strides. Pointers and descriptors come before the scalars, as ops._launch.launch passes
     them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
