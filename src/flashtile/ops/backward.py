@@ -970,9 +970,9 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     longest: a program finds its sequence in cu_seqlens (seq_bounds); a key block past its end
     does nothing, and one that runs into the next sequence masks every step (those keys' rows of
     P^T are zero, so nothing of them reaches dQ). HAS_SOFTCAP: capped scores (capped_sm90; qk_scale
-    and softcap are softcap_scales'). dk_scale: dK's factor, softmax_scale times backward_ds_unit. HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with
-    their strides. Pointers and descriptors come before the scalars, as ops._launch.launch passes
-    them."""
+    and softcap are softcap_scales'). dk_scale: dK's factor, softmax_scale times backward_ds_unit.
+    HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. Pointers and
+    descriptors come before the scalars, as ops._launch.launch passes them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
