@@ -36,13 +36,33 @@ def test_bad_inputs_name_the_argument(args, match, exc):
     (dict(window_size=(-2, 0)), "window_size left"),
     (dict(window_size=5), "window_size must be a pair"),
     (dict(softcap=-1.0), "softcap"),
+    (dict(softcap=float("nan")), "softcap must be a finite number"),
+    (dict(softcap=float("inf")), "softcap must be a finite number"),
+    (dict(softcap="5"), "softcap must be a real number"),
     (dict(softmax_scale=float("nan")), "softmax_scale"),
+    (dict(softmax_scale=1e300), "within float32's range"),
+    (dict(softmax_scale=True), "softmax_scale must be a real number"),
+    (dict(softmax_scale=torch.ones(2)), "softmax_scale must be a real number"),
     (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must have shape"),
     (dict(dropout_p=1.5), "dropout_p must be in"),
+    (dict(dropout_p="0.1"), "dropout_p must be a real number"),
 ])
 def test_bad_options(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         flashtile.flash_attn_func(*qkv(), **kwargs)
+
+
+@pytest.mark.interpret
+def test_bfloat16_under_the_interpreter_raises():
+    """Triton 3.6's interpreter computes bfloat16 wrongly (outputs ~1e9 here): CPU bf16 on the
+    interpreter is an error naming the way out, never a wrong answer; the reference path takes it."""
+    q, k, v = (t.bfloat16() for t in qkv())
+    with pytest.raises(TypeError, match="bfloat16 inputs on the CPU under the Triton interpreter"):
+        flashtile.flash_attn_func(q, k, v)
+    with flashtile.use_backend("reference"):
+        out = flashtile.flash_attn_func(q, k, v)
+    torch.testing.assert_close(out.double(), naive.attention(q.double(), k.double(), v.double())[0], atol=2e-2,
+                               rtol=2e-2)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.interpret), "reference"])

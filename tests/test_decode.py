@@ -312,6 +312,39 @@ def test_an_appended_slot_that_another_row_reads(lengths, leftpad, table, s_new,
                                       page_size=16, leftpad=as_tensor([0, 6])) == 7
 
 
+def test_an_append_through_a_page_listed_twice_in_one_row():
+    """A row whose block_table names one page in two columns would overwrite, through the later
+    column, keys it reads through the earlier one: refused, the cache untouched."""
+    kp, vp = torch.randn(2, 16, 2, 16).half(), torch.randn(2, 16, 2, 16).half()
+    before = kp.clone()
+    with pytest.raises(ValueError, match=r"batch row 0 lists page 1 in columns 0 and 1 of block_table"):
+        flash_attn_with_kvcache(torch.randn(1, 1, 2, 16).half(), kp, vp, torch.randn(1, 12, 2, 16).half(),
+                                torch.randn(1, 12, 2, 16).half(), cache_seqlens=torch.tensor([10], dtype=torch.int32),
+                                block_table=torch.tensor([[1, 1]], dtype=torch.int32))
+    assert torch.equal(kp, before)
+
+
+def test_an_append_into_an_expanded_cache():
+    """An expand()ed cache holds one memory row for several cache rows: appending into it raises
+    (one write would land in every row) and writes nothing; reading it is fine."""
+    base = torch.randn(1, 32, 2, 16).half()
+    kc, vc = base.expand(2, 32, 2, 16), torch.randn(1, 32, 2, 16).half().expand(2, 32, 2, 16)
+    before = base.clone()
+    q, lengths = torch.randn(2, 1, 4, 16).half(), torch.tensor([5, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"k_cache has stride 0 in a dimension of size > 1"):
+        flash_attn_with_kvcache(q, kc, vc, torch.randn(2, 1, 2, 16).half(), torch.randn(2, 1, 2, 16).half(),
+                                cache_seqlens=lengths)
+    assert torch.equal(base, before)
+    assert flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths).shape == q.shape
+
+
+def test_a_plan_on_a_cpu_device_with_an_index():
+    plan = DecodePlan(2, 4, (2, 32, 2, 16), [5, 20], dtype=torch.float16, device="cpu:0")
+    assert plan.device == torch.device("cpu")
+    q = torch.randn(2, 1, 4, 16).half()
+    assert plan.run(q, torch.randn(2, 32, 2, 16).half(), torch.randn(2, 32, 2, 16).half()).shape == q.shape
+
+
 MERGE_ERRORS = {
     "lse-dtype": ((torch.randn(3, 4, 8), torch.randn(3, 4).half()), TypeError, "lse_partial must have dtype"),
     "lse-shape": ((torch.randn(3, 4, 8), torch.randn(3, 5)), ValueError, "lse_partial must have shape"),

@@ -137,6 +137,21 @@ def test_unpad_unused_mask():
     assert torch.equal(packed, x.flatten(0, 1)[indices])
 
 
+def test_pad_input_takes_int32_indices_and_checks_its_arguments():
+    """flash-attn's pad_input indexes with int32 indices too; bad arguments name themselves."""
+    x = torch.randn(2, 6, 4)
+    packed, indices, *_ = flashtile.unpad_input(x, torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]]))
+    assert torch.equal(flashtile.pad_input(packed, indices.int(), 2, 6), flashtile.pad_input(packed, indices, 2, 6))
+    with pytest.raises(TypeError, match="indices must be an int32 or int64 tensor, got list"):
+        flashtile.pad_input(packed, indices.tolist(), 2, 6)
+    with pytest.raises(TypeError, match="indices must be an int32 or int64 tensor, got torch.float32"):
+        flashtile.pad_input(packed, indices.float(), 2, 6)
+    with pytest.raises(ValueError, match="batch must be an int >= 0, got -1"):
+        flashtile.pad_input(packed, indices, -1, 6)
+    with pytest.raises(TypeError, match="hidden_states must be a tensor"):
+        flashtile.pad_input(packed.tolist(), indices, 2, 6)
+
+
 def varlen_args(lens=(5, 9), h=2, hk=2, d=16, dtype=torch.float32):
     total = sum(lens)
     return (torch.randn(total, h, d, dtype=dtype), torch.randn(total, hk, d, dtype=dtype),

@@ -102,10 +102,22 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
 
 
 def check_softcap(softcap: float) -> float:
-    softcap = float(softcap)
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    softcap = _real("softcap", softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     return softcap
+
+
+def _real(name: str, x) -> float:
+    """x as a float: a real number (not a bool or a string) or a one-element tensor."""
+    if type(x) is float:
+        return x
+    if isinstance(x, (bool, str, bytes)) or (isinstance(x, torch.Tensor) and x.numel() != 1):
+        raise TypeError(f"{name} must be a real number, got {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}") from None
 
 
 def check_alibi(alibi_slopes, b: int, h: int, device) -> None:
@@ -163,21 +175,22 @@ def check_sink_rows(learnable_sink, rows: tuple, device) -> None:
 def check_dropout_p(dropout_p: float) -> float:
     if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:
         return dropout_p
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, torch.Tensor)) and \
-            not hasattr(dropout_p, "__float__"):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    dropout_p = float(dropout_p)
+    dropout_p = _real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
 
 
+_FP32_MAX = torch.finfo(torch.float32).max  # the kernels take the scale as float32
+
+
 def default_scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return d ** -0.5
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale) or softmax_scale == 0:
-        raise ValueError(f"softmax_scale must be a finite non-zero number, got {softmax_scale}")
+    softmax_scale = _real("softmax_scale", softmax_scale)
+    if not math.isfinite(softmax_scale) or softmax_scale == 0 or abs(softmax_scale) > _FP32_MAX:
+        raise ValueError(f"softmax_scale must be a finite non-zero number within float32's range, got "
+                         f"{softmax_scale}")
     return softmax_scale
 
 
@@ -434,8 +447,9 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
     leftpad (b,): the first position a row reads. The rotary tables (rotary_len positions) must
     reach lengths + rotary_reach. Besides bounds, no cache row may be appended to twice (one write
     would replace the other), nor appended to by one batch row and read by another (the launch
-    that appends also attends, so the other row would race the write); pages shared for reading,
-    as prefix caches do, are fine.
+    that appends also attends, so the other row would race the write), nor appended to through one
+    block_table column and read through another; pages shared for reading, as prefix caches do,
+    are fine.
 
     Every argument is a CPU tensor, read as a numpy array: one vectorised pass each, no loop over
     rows (serving batches hold hundreds), and numpy's ~1 us per operation on small arrays against
@@ -520,16 +534,20 @@ def _check_unread(slots, pages, reads, starts, ends, page_size: int, cache_rows:
     if np.count_nonzero(is_written) == entries and np.count_nonzero(hits) == entries:
         return
     writer = np.repeat(np.arange(b), s_new)
-    written = {}  # page -> {page row: the batch row appending to it}
-    for row, slot in zip(writer, slots.ravel()):
-        written.setdefault(int(slot) // page_size, {})[int(slot) % page_size] = int(row)
+    column = (((ends - s_new)[:, None] + np.arange(s_new)) // page_size).ravel()  # block_table column of a write
+    written = {}  # page -> {page row: (the batch row appending to it, through which column)}
+    for row, col, slot in zip(writer, column, slots.ravel()):
+        written.setdefault(int(slot) // page_size, {})[int(slot) % page_size] = (int(row), int(col))
     for r, c in zip(*np.nonzero(hits)):
         page = int(pages[r, c])
         lo, hi = max(int(starts[r]) - c * page_size, 0), min(int(ends[r]) - c * page_size, page_size)
-        for slot, w in written[page].items():
+        for slot, (w, wc) in written[page].items():
             if w != r and lo <= slot < hi:
                 raise ValueError(f"batch row {w} would append into row {slot} of page {page} (block_table), which "
                                  f"batch row {r} reads: a page shared that far cannot take new keys")
+            if wc != c and lo <= slot < hi:
+                raise ValueError(f"batch row {r} lists page {page} in columns {c} and {wc} of block_table: its "
+                                 f"append through column {wc} would overwrite keys it reads through column {c}")
 
 
 def _check_disjoint(written: np.ndarray, where) -> None:

@@ -1,8 +1,9 @@
 """The user-facing functions: argument checks, layouts, dispatch and docstrings.
 
 Dispatch rule (one place, `backend_for`): CUDA tensors run the Triton kernels; CPU tensors run the
-Triton kernels under the Triton interpreter when TRITON_INTERPRET=1 is set, and the PyTorch reference
-path otherwise. `use_backend("reference" | "triton")` forces one; asking for Triton on a CPU tensor
+Triton kernels under the Triton interpreter when TRITON_INTERPRET=1 is set (float16 and float32:
+the interpreter's bfloat16 is wrong, and bfloat16 there raises), and the PyTorch reference path
+otherwise. `use_backend("reference" | "triton")` forces one; asking for Triton on a CPU tensor
 without the interpreter is an error, never a silent switch.
 """
 
@@ -54,6 +55,11 @@ def backend_for(t: torch.Tensor) -> str:
         raise RuntimeError(
             f"use_backend('triton') needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
             f"imported for CPU tensors; got a tensor on {t.device}")
+    if triton_ok and not t.is_cuda and t.dtype == torch.bfloat16:
+        raise TypeError(
+            "bfloat16 inputs on the CPU under the Triton interpreter (TRITON_INTERPRET=1): triton 3.6's "
+            "interpreter computes bfloat16 wrongly; use float16 or float32 there, or "
+            "flashtile.use_backend('reference')")
     return "triton" if triton_ok else "reference"
 
 
@@ -362,6 +368,16 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> int:
     return s_new
 
 
+def _check_no_aliased_rows(k_cache, v_cache) -> None:
+    """A cache that takes appended keys may not hold one memory row for several cache rows (a
+    stride of 0 in a dimension of size > 1, as expand() makes): one write would land in all."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(stride == 0 and n > 1 for stride, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} has stride 0 in a dimension of size > 1 (strides {tuple(t.stride())}, shape "
+                             f"{tuple(t.shape)}): appending k and v would write one memory row for several cache "
+                             f"rows; pass a cache with memory of its own (e.g. .contiguous())")
+
+
 def _lengths_to_device(lengths, batch: int, device) -> torch.Tensor:
     """A list of ints -> the (batch,) int32 tensor on device that the kernels read, copied without
     waiting for the device; its values are recorded as its host copy, for the checks."""
@@ -444,6 +460,8 @@ class DecodePlan:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the tensors' device names its index
             device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type == "cpu":  # and a CPU tensor's names none
+            device = torch.device("cpu")
         if isinstance(cache_seqlens, (list, tuple)):
             cache_seqlens = _lengths_to_device(cache_seqlens, batch, device)
         self._plan(batch, seqlen_q, nheads, cache_shape, dtype, device, seqlen_new, cache_seqlens, cache_batch_idx,
@@ -606,6 +624,8 @@ class DecodePlan:
         """run's work once its tensors matched the plan."""
         if learnable_sink is not None:
             learnable_sink = _checks.check_sink(learnable_sink, self.nheads, self.device)
+        if k is not None and (0 in k_cache.stride() or 0 in v_cache.stride()):
+            _check_no_aliased_rows(k_cache, v_cache)
         if torch.is_grad_enabled() and (q.requires_grad or k is not None and (k.requires_grad or v.requires_grad)
                                         or learnable_sink is not None and learnable_sink.requires_grad):
             raise RuntimeError("flash_attn_with_kvcache / DecodePlan.run have no backward (as flash-attn's): call "

@@ -65,8 +65,17 @@ def packing(attention_mask: torch.Tensor, unused_mask=None, shape=None):
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """The inverse of unpad_input: packed rows (total, ...) -> (batch, seqlen, ...), zeros at the
     positions indices does not name; differentiable (the gradient reads the named rows back)."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
+        raise TypeError(f"hidden_states must be a tensor (total, ...), got {type(hidden_states).__name__}")
+    if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be an int32 or int64 tensor, got "
+                        f"{indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__}")
     if indices.dim() != 1 or indices.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"indices must have shape ({hidden_states.shape[0]},) (one per packed row), got "
                          f"{tuple(indices.shape)}")
+    for name, n in (("batch", batch), ("seqlen", seqlen)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
-    return out.index_copy(0, indices, hidden_states).unflatten(0, (batch, seqlen))
+    # index_copy checks the range on the CPU and on the GPU (a device-side assert there)
+    return out.index_copy(0, indices.long(), hidden_states).unflatten(0, (batch, seqlen))
