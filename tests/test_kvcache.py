@@ -169,6 +169,43 @@ def test_capacity_errors():
         PagedKVCache(4, 24, B, HK, D)
 
 
+def _step():
+    """q, k, v of one decoding step."""
+    return tuple(torch.randn(B, 1, h, D).half() for h in (H, HK, HK))
+
+
+BAD_CACHES = {
+    "page-size-0": (lambda: PagedKVCache(4, 0, B, HK, D), ValueError, "page_size must be >= 16, got 0"),
+    "no-pages": (lambda: PagedKVCache(0, 16, B, HK, D), ValueError, "num_pages must be >= 1"),
+    "negative-capacity": (lambda: KVCache(B, -1, HK, D), ValueError, "capacity must be >= 0"),
+    "negative-batch": (lambda: KVCache(-1, 8, HK, D), ValueError, "batch must be >= 0"),
+    "no-heads": (lambda: KVCache(B, 8, 0, D), ValueError, "kv_heads must be >= 1"),
+    "float-size": (lambda: KVCache(B, 8.0, HK, D), TypeError, "capacity must be an int"),
+    "int-dtype": (lambda: KVCache(B, 8, HK, D, dtype=torch.int32), TypeError, "dtype must be float16"),
+    "advance-float": (lambda: KVCache(B, 8, HK, D).advance([1.7, 2, 0]), TypeError, "advance counts must be ints"),
+    "advance-bool": (lambda: KVCache(B, 8, HK, D).advance(True), TypeError, "advance counts must be ints"),
+    "reset-past-batch": (lambda: KVCache(B, 8, HK, D).reset(B), ValueError, r"seq must be an int in \[0, 3\)"),
+    "reset-negative": (lambda: PagedKVCache(4, 16, B, HK, D).reset(-1), ValueError, "seq must be an int in"),
+    "layer-past-num-layers": (lambda: KVCache(B, 8, HK, D).attend(*_step(), layer=1), ValueError,
+                              r"layer must be an int in \[0, 1\)"),
+    "attend-without-k": (lambda: KVCache(B, 8, HK, D).attend(_step()[0], None, None), ValueError,
+                         "attend appends k and v"),
+}
+
+
+@pytest.mark.parametrize("make,error,message", BAD_CACHES.values(), ids=BAD_CACHES.keys())
+def test_bad_cache_arguments_name_themselves(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_advance_takes_integer_scalars_and_arrays():
+    cache = KVCache(B, 8, HK, D)
+    cache.advance(torch.tensor(2))
+    cache.advance(torch.tensor([1, 0, 2]))
+    assert cache.lengths == [3, 2, 4] and cache.seqlens.tolist() == [3, 2, 4]
+
+
 def test_views():
     paged = PagedKVCache(8, 16, B, HK, D, max_seq_len=40, num_layers=3)
     views = paged.views(2)

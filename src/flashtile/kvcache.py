@@ -19,7 +19,23 @@ from __future__ import annotations
 
 import torch
 
+import operator
+
 from flashtile import _checks, api
+
+
+def _check_sizes(**sizes) -> None:
+    """Each size an int (not a bool) >= its least value: name=(value, least)."""
+    for name, (n, least) in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < least:
+            raise ValueError(f"{name} must be >= {least}, got {n}")
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in api._KERNEL_DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
 
 
 class _Cache:
@@ -70,23 +86,30 @@ class _Cache:
         advance(): every layer of one step appends at the same positions, with the step's plan
         (made by the first layer's call).
         """
+        if k is None or v is None:
+            raise ValueError("attend appends k and v (the step's new tokens): for attention over the cache "
+                             "alone call flash_attn_with_kvcache(q, **cache.views(layer), ...)")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self._k):
+            raise ValueError(f"layer must be an int in [0, {len(self._k)}) (num_layers), got {layer!r}")
         return_lse = kwargs.pop("return_softmax_lse", False)
         sink = kwargs.pop("learnable_sink", None)  # per layer: a run argument, not a plan's
         plan = self.plan(q, k.shape[1], **kwargs)
         return plan.run(q, self._k[layer], self._v[layer], k, v, return_softmax_lse=return_lse, learnable_sink=sink)
 
     def advance(self, n=1) -> None:
-        """Count n new tokens in every sequence (an int) or n[i] in sequence i (a list of ints).
+        """Count n new tokens in every sequence (an int) or n[i] in sequence i (a list of ints, or a
+        1-D tensor or array).
 
         A negative count rolls a sequence back (the rejected draft tokens of speculative decoding):
         its last -n tokens are forgotten and the next append overwrites them. Lengths must stay in
         [0, capacity]; otherwise ValueError and nothing changes."""
-        if isinstance(n, int):
+        if not isinstance(n, (list, tuple)) and getattr(n, "ndim", 0) != 1:  # a 1-D tensor or array counts per sequence
+            n = _count(n)
             lengths = [x + n for x in self.lengths]
         else:
             if len(n) != len(self.lengths):
                 raise ValueError(f"advance needs one count per sequence ({len(self.lengths)}), got {len(n)}")
-            lengths = [x + int(m) for x, m in zip(self.lengths, n)]
+            lengths = [x + _count(m) for x, m in zip(self.lengths, n)]
         if lengths and (max(lengths) > self.capacity or min(lengths) < 0):
             raise ValueError(f"advance past the capacity ({self.capacity} tokens per sequence) or below 0: "
                              f"advance({n}) from lengths {self.lengths}")
@@ -99,12 +122,27 @@ class _Cache:
 
     def reset(self, seq: int) -> None:
         """Empty sequence seq so its slot can start a new one."""
+        self._check_seq(seq)
         self.lengths[seq] = 0
         self.seqlens[seq] = 0
         self._lengths_changed()
 
     def _table(self) -> dict:
         return {}
+
+    def _check_seq(self, seq) -> None:
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < len(self.lengths):
+            raise ValueError(f"seq must be an int in [0, {len(self.lengths)}) (batch), got {seq!r}")
+
+
+def _count(n) -> int:
+    """A token count of advance(): an int (a numpy or 0-d tensor integer too), not a bool or a float."""
+    if isinstance(n, bool):
+        raise TypeError(f"advance counts must be ints, got {n!r}")
+    try:
+        return operator.index(n)
+    except TypeError:
+        raise TypeError(f"advance counts must be ints, got {n!r}") from None
 
 
 def _identity(x):
@@ -120,6 +158,9 @@ class KVCache(_Cache):
 
     def __init__(self, batch: int, capacity: int, kv_heads: int, head_dim: int, *, num_layers: int = 1,
                  dtype=torch.float16, device="cpu"):
+        _check_sizes(batch=(batch, 0), capacity=(capacity, 0), kv_heads=(kv_heads, 1), head_dim=(head_dim, 1),
+                     num_layers=(num_layers, 1))
+        _check_dtype(dtype)
         super().__init__(batch, capacity, device)
         shape = (num_layers, batch, capacity, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -136,7 +177,8 @@ class PagedKVCache(_Cache):
     sequences through block_table (batch, max_seq_len / page_size) int32.
 
     Pages are handed out as sequences grow (the step's plan reserves them before anything is
-    written) and come back with reset(seq). Unused block_table entries hold -1. page_size must be a
+    written) and come back with reset(seq). Unused block_table entries hold -1. A sequence holds
+    max_seq_len tokens rounded up to whole pages (capacity; all the pages when None). page_size must be a
     multiple of 16 (vLLM uses 16; the kernel reads one page index per key tile when page_size is a
     multiple of the tile).
     """
@@ -144,6 +186,11 @@ class PagedKVCache(_Cache):
     def __init__(self, num_pages: int, page_size: int, batch: int, kv_heads: int, head_dim: int, *,
                  max_seq_len: int | None = None, num_layers: int = 1, dtype=torch.float16,
                  device="cpu"):
+        _check_sizes(num_pages=(num_pages, 1), page_size=(page_size, 16), batch=(batch, 0), kv_heads=(kv_heads, 1),
+                     head_dim=(head_dim, 1), num_layers=(num_layers, 1))
+        if max_seq_len is not None:
+            _check_sizes(max_seq_len=(max_seq_len, 0))
+        _check_dtype(dtype)
         if page_size % 16 != 0:
             raise ValueError(f"page_size must be a multiple of 16, got {page_size}")
         max_blocks = -(-(max_seq_len or num_pages * page_size) // page_size)
@@ -193,6 +240,7 @@ class PagedKVCache(_Cache):
                 _checks.upload(self._host_table.clone(), self.block_table)
 
     def reset(self, seq: int) -> None:
+        self._check_seq(seq)
         self._free.extend(reversed(self._pages[seq]))
         self._pages[seq] = []
         self._host_table[seq] = -1
