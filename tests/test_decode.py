@@ -102,6 +102,7 @@ ERRORS = {
     "rotary-dim": (_call(**_rotary(half=17)), ValueError, "rotary_dim"),
     "rotary-short": (_call(**_rotary(n=5)), ValueError, "reach position 5"),
     "num-splits": (_call(num_splits=-1), ValueError, "num_splits"),
+    "num-splits-float": (_call(num_splits=2.0), TypeError, "num_splits must be an int"),
     "window": (_call(window_size=(-2, 0)), ValueError, "window_size"),
     "softcap": (_call(softcap=-1.0), ValueError, "softcap"),
     "alibi": (_call(alibi_slopes=torch.rand(3)), ValueError, "alibi_slopes must have shape"),

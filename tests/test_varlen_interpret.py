@@ -330,3 +330,6 @@ def test_varlen_paged_without_pages_and_bad_seqused():
     with pytest.raises(ValueError, match=r"seqused_k\[0\] = -1 must be in 0..16 \(the page table's reach\)"):
         flashtile.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, mq, mk, block_table=table,
                                          seqused_k=torch.tensor([-1, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = -3 must be >= 0"):  # cu_seqlens_k made from seqused_k
+        flashtile.flash_attn_varlen_func(q, pages, pages, cu_q, None, mq, mk, block_table=table,
+                                         seqused_k=torch.tensor([-3, 3], dtype=torch.int32))

@@ -398,7 +398,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     # cu_seqlens_k derived from seqused_k above is a new tensor each call: check seqused_k instead
     vk = host_values(seqused_k) if derived_k else host_values(cu_seqlens_k)
     if vk is not None:
-        if derived_k:
+        if derived_k:  # offsets of seqused_k's values: a negative one is seqused_k's error, not cu_seqlens_k's
+            for i, n in enumerate(vk):
+                if n < 0:
+                    raise ValueError(f"seqused_k[{i}] = {n} must be >= 0")
             vk = [0, *itertools.accumulate(vk)]
         lengths_k = _check_offsets("cu_seqlens_k", vk, None if paged else k.shape[0])
         used = host_values(seqused_k) if seqused_k is not None else lengths_k

@@ -538,7 +538,9 @@ class DecodePlan:
         left, right = _checks.check_window(window_size, causal)
         softcap = _checks.check_softcap(softcap)
         _checks.check_alibi(alibi_slopes, b, h, device)
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        if not isinstance(num_splits, int):  # a numpy or 0-d tensor integer, as pybind's int takes it
+            num_splits = _checks.check_int("num_splits", num_splits)
+        if isinstance(num_splits, bool) or num_splits < 0:
             raise ValueError(f"num_splits must be an int >= 0 (0 = choose from the lengths), got {num_splits!r}")
 
         # the values, when every one can be read on the host now (not under CUDA-graph capture)
