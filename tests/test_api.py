@@ -52,6 +52,19 @@ def test_bad_options(kwargs, match):
         flashtile.flash_attn_func(*qkv(), **kwargs)
 
 
+@pytest.mark.parametrize("case", ["float64", "value-head-dim"])
+def test_sdpa_hands_what_the_kernels_do_not_take_to_torch(case):
+    """flashtile's scaled_dot_product_attention keeps torch's semantics where its kernels have none:
+    float64 and a value head dim other than the query's run torch's."""
+    q, k, v = (t.transpose(1, 2) for t in qkv(b=2, sq=7, sk=9, h=2, hk=2, d=16))
+    if case == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    else:
+        v = torch.randn(2, 2, 9, 8)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(flashtile.scaled_dot_product_attention(q, k, v, is_causal=True), want)
+
+
 @pytest.mark.interpret
 def test_bfloat16_under_the_interpreter_raises():
     """Triton 3.6's interpreter computes bfloat16 wrongly (outputs ~1e9 here): CPU bf16 on the

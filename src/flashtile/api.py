@@ -306,9 +306,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     as flash_attn_func does). `is_causal` is top-left aligned, as in torch (query i sees keys
     j <= i). With `enable_gqa`, query heads may be a multiple of key/value heads.
     An `attn_mask` is handed to torch's own SDPA unchanged (flashtile has no arbitrary-mask kernel),
-    so results are always torch's, never a silently wrong mask.
+    so results are always torch's, never a silently wrong mask; so are what the kernels do not take
+    and torch does: float64 and a value head dim other than the query's. (scale = 0 raises: torch's
+    CPU SDPA returns NaN there.)
     """
-    if attn_mask is not None or query.dim() != 4:
+    tensors = all(isinstance(t, torch.Tensor) for t in (query, key, value))
+    if attn_mask is not None or (tensors and (query.dim() != 4 or query.dtype == torch.float64
+                                             or value.shape[-1] != query.shape[-1])):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
