@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -144,7 +145,8 @@ def test_sdpa_runs_dropout_in_flashtile():
     torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("window", [torch.tensor([3, 2]), [3, 2], (3, 2)], ids=["tensor", "list", "tuple"])
+@pytest.mark.parametrize("window", [torch.tensor([3, 2]), [3, 2], (3, 2), np.array([3, 2])],
+                         ids=["tensor", "list", "tuple", "numpy"])
 def test_window_size_forms(window):
     """flash-attn's tests pass window_size = torch.randint(0, seqlen_k, (2,)): every form gives
     the same result."""
@@ -159,6 +161,8 @@ def test_window_size_forms(window):
     (torch.tensor([1.5, 2.0]), "window_size left must be an int", TypeError),
     ((-3, 0), "window_size left must be >= -1", ValueError),
     (("a", 0), "window_size left must be an int", TypeError),
+    (torch.tensor([3, 2], device="meta"), "window_size must hold values", ValueError),
+    (np.array([1, 2, 3]), "window_size must be a pair", ValueError),
 ])
 def test_window_size_bad_forms(window, match, exc):
     q, k, v = (torch.randn(1, 20, 2, 16) for _ in range(3))

@@ -84,14 +84,16 @@ def check_int(name: str, x, minimum: int = 0) -> int:
 
 def check_window(window_size, causal: bool) -> tuple[int, int]:
     """Normalise (left, right): -1 means unbounded; causal forces right = 0. A tuple, a list or a
-    2-element tensor of ints, as flash-attn accepts."""
+    2-element tensor or numpy array of ints, as flash-attn accepts."""
     if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
             and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1:
         return window_size[0], (0 if causal else window_size[1])  # the common case, on every call's host path
-    if isinstance(window_size, torch.Tensor):
-        if window_size.numel() != 2:
-            raise ValueError(f"window_size must be a pair (left, right), got a tensor of shape "
+    if isinstance(window_size, (torch.Tensor, np.ndarray)):
+        if (window_size.size if isinstance(window_size, np.ndarray) else window_size.numel()) != 2:
+            raise ValueError(f"window_size must be a pair (left, right), got a {type(window_size).__name__} of shape "
                              f"{tuple(window_size.shape)}")
+        if isinstance(window_size, torch.Tensor) and window_size.device.type == "meta":
+            raise ValueError("window_size must hold values, got a tensor on the meta device")
         window_size = window_size.flatten()
     elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
