@@ -146,7 +146,7 @@ def test_pad_input_takes_int32_indices_and_checks_its_arguments():
         flashtile.pad_input(packed, indices.tolist(), 2, 6)
     with pytest.raises(TypeError, match="indices must be an int32 or int64 tensor, got torch.float32"):
         flashtile.pad_input(packed, indices.float(), 2, 6)
-    with pytest.raises(ValueError, match="batch must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="batch must be >= 0, got -1"):
         flashtile.pad_input(packed, indices, -1, 6)
     with pytest.raises(TypeError, match="hidden_states must be a tensor"):
         flashtile.pad_input(packed.tolist(), indices, 2, 6)

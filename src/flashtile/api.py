@@ -542,10 +542,7 @@ class DecodePlan:
         left, right = _checks.check_window(window_size, causal)
         softcap = _checks.check_softcap(softcap)
         _checks.check_alibi(alibi_slopes, b, h, device)
-        if not isinstance(num_splits, int):  # a numpy or 0-d tensor integer, as pybind's int takes it
-            num_splits = _checks.check_int("num_splits", num_splits)
-        if isinstance(num_splits, bool) or num_splits < 0:
-            raise ValueError(f"num_splits must be an int >= 0 (0 = choose from the lengths), got {num_splits!r}")
+        num_splits = _checks.check_int("num_splits", num_splits)  # 0 = choose from the lengths
 
         # the values, when every one can be read on the host now (not under CUDA-graph capture)
         host = [None if t is None else _checks.host_copy(t) for t in (cache_leftpad, cache_batch_idx, block_table)]

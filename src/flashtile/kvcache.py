@@ -19,18 +19,13 @@ from __future__ import annotations
 
 import torch
 
-import operator
-
 from flashtile import _checks, api
 
 
 def _check_sizes(**sizes) -> None:
-    """Each size an int (not a bool) >= its least value: name=(value, least)."""
+    """Each size an int >= its least value (_checks.check_int): name=(value, least)."""
     for name, (n, least) in sizes.items():
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-        if n < least:
-            raise ValueError(f"{name} must be >= {least}, got {n}")
+        _checks.check_int(name, n, least)
 
 
 def _check_dtype(dtype) -> None:
@@ -136,13 +131,8 @@ class _Cache:
 
 
 def _count(n) -> int:
-    """A token count of advance(): an int (a numpy or 0-d tensor integer too), not a bool or a float."""
-    if isinstance(n, bool):
-        raise TypeError(f"advance counts must be ints, got {n!r}")
-    try:
-        return operator.index(n)
-    except TypeError:
-        raise TypeError(f"advance counts must be ints, got {n!r}") from None
+    """A token count of advance(), negative to roll back: an int (a numpy or 0-d tensor integer too)."""
+    return _checks.check_int("advance's count", n, -2**63)
 
 
 def _identity(x):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from flashtile import _checks
+
 
 def _check_mask(name: str, mask, shape) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor):
@@ -73,9 +75,7 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     if indices.dim() != 1 or indices.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"indices must have shape ({hidden_states.shape[0]},) (one per packed row), got "
                          f"{tuple(indices.shape)}")
-    for name, n in (("batch", batch), ("seqlen", seqlen)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    batch, seqlen = _checks.check_int("batch", batch), _checks.check_int("seqlen", seqlen)
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
     # index_copy checks the range on the CPU and on the GPU (a device-side assert there)
     return out.index_copy(0, indices.long(), hidden_states).unflatten(0, (batch, seqlen))
