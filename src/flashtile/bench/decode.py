@@ -392,7 +392,7 @@ def sweep(args) -> dict:
                 if tile is None:
                     configs.decode_config = real
                 else:
-                    configs.decode_config = (lambda r, d, dt, p, dev, split=False, t=tile:
+                    configs.decode_config = (lambda r, d, dt, p, dev, split=False, one_round=False, t=tile:
                                              configs.BlockConfig(real(r, d, dt, p, dev).block_m, *t))
                 configs.DECODE_FUSED_MAX_SPLITS = 1 << 30 if combine == "fused" else 0
                 cfg = configs.decode_config(h // hk, HEADDIM, dtype, page, torch.device(DEVICE))

@@ -326,9 +326,10 @@ def num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)  # once per shape: a decoding step spends its host time here otherwise
 def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device: torch.device,
-                  split: bool = False) -> BlockConfig:
+                  split: bool = False, one_round: bool = False) -> BlockConfig:
     """Tiles for the split-KV kernel of ops.decode on an H100 (sm_90); split: for a launch that
-    cuts the keys into several splits (decode_tiles).
+    cuts the keys into several splits, one_round: for an unsplit one whose programs all fit the
+    GPU's slots at once (decode_tiles).
 
     rows = seqlen_q * (nheads // nheads_k): the query rows that share one KV head are packed into
     the M side of one tl.dot (GQA packing), padded to >= 16 (mma's minimum M); more than 64 rows
@@ -353,8 +354,14 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     16 x 4096 32.8 / 33.9 (30.0), 8 x 8192 33.1 / 35.0 (30.7), 2 x 32768 32.2 / 35.0 (31.4),
     1 x 65536 32.3 / 34.5 (30.7), 1 x 131072 56.8 / 57.0 (53.4). Unsplit they lose where a program
     reads more keys (128 x 512: 32.4 against 30.7; 256 x 256 29.4 against 30.0; Llama-3-8B's cache
-    723 against 719), so unsplit launches keep the gather tiles. Other page sizes, head dims and
-    query-row counts (more than 16 packed rows) were not measured and keep their tiles.
+    723 against 719), so unsplit launches keep the gather tiles. An unsplit launch of one round
+    (programs <= slots, decode_num_splits) holds too few bytes in flight with them: 128-key gather
+    tiles measured 19.1 / 23.1 us at 64 x 512, 17.3 / 18.1 at 128 x 256, 29.0 / 30.7 at 128 x 512,
+    28.8 / 31.4 at 32 x 512 with 32 / 8 heads (sweep_page16_small.json, 2026-11-27); past one
+    round they gain nothing or lose (192 x 512 41.2 / 41.2, 256 x 256 30.4 / 30.0, Llama-3-8B's
+    cache 770 / 719: sweep_page16_unsplit.json), and contiguous caches do not gain (128 x 512 27.9
+    / 27.7, sweep_contig_unsplit.json). Other page sizes, head dims and query-row counts (more
+    than 16 packed rows) were not measured and keep their tiles.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
     if device.type != "cuda":
@@ -367,8 +374,11 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
         block_n = max(16, min(128, 16 * 1024 // (2 * bd * 4) * 16 // block_m))
         gather = page_size > 0 and page_size % block_n != 0
         return BlockConfig(block_m, block_n, 8 if block_m > 16 else 4, 5 if gather else 3)
-    if split and page_size == 16 and bd == 128 and block_m == 16:  # as measured (docstring)
-        return BlockConfig(block_m, 16, 4, 3)
+    if page_size == 16 and bd == 128 and block_m == 16:  # as measured (docstring)
+        if split:
+            return BlockConfig(block_m, 16, 4, 3)
+        if one_round:
+            return BlockConfig(block_m, 128, 4, 2)
     return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 2)
 
 
@@ -376,7 +386,8 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, page_size: int, device: 
                  max_keys: int, num_splits: int = 0) -> tuple[BlockConfig, int]:
     """(tiles, splits) of a decoding launch: kv_rows = batch x nheads_k, max_keys the longest key
     range of one of them; num_splits = 0 asks decode_num_splits, else it is kept. A launch that
-    splits takes decode_config's split tiles, and with num_splits = 0 the count for those tiles."""
+    splits takes decode_config's split tiles, and with num_splits = 0 the count for those tiles;
+    an unsplit one whose programs fit the slots at once, its one-round tiles."""
     cfg = decode_config(rows, d, dtype, page_size, device)
     programs = kv_rows * cdiv(rows, cfg.block_m)
     auto = num_splits == 0
@@ -388,6 +399,8 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, page_size: int, device: 
             cfg = split_cfg
             if auto:
                 num_splits = decode_num_splits(programs, max_keys, cfg.block_n, num_sms(device), page_size > 0)
+    elif programs <= DECODE_PROGRAMS_PER_SM * num_sms(device):
+        cfg = decode_config(rows, d, dtype, page_size, device, one_round=True)
     return cfg, num_splits
 
 
