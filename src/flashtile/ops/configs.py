@@ -357,10 +357,15 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     723 against 719), so unsplit launches keep the gather tiles. An unsplit launch of one round
     (programs <= slots, decode_num_splits) holds too few bytes in flight with them: 128-key gather
     tiles measured 19.1 / 23.1 us at 64 x 512, 17.3 / 18.1 at 128 x 256, 29.0 / 30.7 at 128 x 512,
-    28.8 / 31.4 at 32 x 512 with 32 / 8 heads (sweep_page16_small.json, 2026-11-27); past one
-    round they gain nothing or lose (192 x 512 41.2 / 41.2, 256 x 256 30.4 / 30.0, Llama-3-8B's
-    cache 770 / 719: sweep_page16_unsplit.json), and contiguous caches do not gain (128 x 512 27.9
-    / 27.7, sweep_contig_unsplit.json). Other page sizes, head dims and query-row counts (more
+    28.8 / 31.4 at 32 x 512 with 32 / 8 heads (sweep_page16_small.json, 2026-11-27), and as much
+    where the programs read more keys (128 x 1024 / 2048 / 8192 53.2 / 55.7, 99.5 / 104.4, 366.0 /
+    389.5; 32 / 8 heads 32 x 2048 / 8192 98.2 / 103.9, 365.3 / 385.4:
+    sweep_page16_one_round_long.json); past one round they gain nothing or lose (192 x 512 41.2 /
+    41.2, 256 x 256 30.4 / 30.0, Llama-3-8B's cache 770 / 719: sweep_page16_unsplit.json), and
+    contiguous caches do not gain (128 x 512 27.9 / 27.7, sweep_contig_unsplit.json). Contiguous
+    128-key tiles in 3 stages won 1-8% on some long multi-round launches and lost up to 17% on
+    short ones (sweep_contig_rounds.json, sweep_contig_long.json), and max_keys is often the cache's
+    capacity, not the lengths: not taken. Other page sizes, head dims and query-row counts (more
     than 16 packed rows) were not measured and keep their tiles.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
