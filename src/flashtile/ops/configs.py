@@ -365,8 +365,8 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     contiguous caches do not gain (128 x 512 27.9 / 27.7, sweep_contig_unsplit.json). Contiguous
     128-key tiles in 3 stages won 1-8% on some long multi-round launches and lost up to 17% on
     short ones (sweep_contig_rounds.json, sweep_contig_long.json, sweep_contig_unsplit.json), and
-    max_keys is often the cache's capacity, not the lengths: not taken. Other page sizes, head dims and query-row counts (more
-    than 16 packed rows) were not measured and keep their tiles.
+    max_keys is often the cache's capacity, not the lengths: not taken. Other page sizes, head
+    dims and query-row counts (more than 16 packed rows) were not measured and keep their tiles.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
     if device.type != "cuda":
