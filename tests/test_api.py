@@ -52,17 +52,38 @@ def test_bad_options(kwargs, match):
         flashtile.flash_attn_func(*qkv(), **kwargs)
 
 
-@pytest.mark.parametrize("case", ["float64", "value-head-dim"])
+@pytest.mark.parametrize("case", ["float64", "value-head-dim", "head-dim-300", "key-batch-1", "key-heads-1", "3d-key"])
 def test_sdpa_hands_what_the_kernels_do_not_take_to_torch(case):
     """flashtile's scaled_dot_product_attention keeps torch's semantics where its kernels have none:
-    float64 and a value head dim other than the query's run torch's."""
+    float64, a value head dim other than the query's, a head dim past 256, key / value batch or
+    heads of 1 (torch broadcasts them) and 3-D key / value beside a 4-D query run torch's."""
     q, k, v = (t.transpose(1, 2) for t in qkv(b=2, sq=7, sk=9, h=2, hk=2, d=16))
     if case == "float64":
         q, k, v = q.double(), k.double(), v.double()
-    else:
+    elif case == "value-head-dim":
         v = torch.randn(2, 2, 9, 8)
+    elif case == "head-dim-300":
+        q, k, v = torch.randn(1, 2, 5, 300), torch.randn(1, 2, 7, 300), torch.randn(1, 2, 7, 300)
+    elif case == "key-batch-1":
+        k, v = k[:1], v[:1]
+    elif case == "key-heads-1":
+        k, v = k[:, :1], v[:, :1]
+    else:
+        k, v = k[0], v[0]
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(flashtile.scaled_dot_product_attention(q, k, v, is_causal=True), want)
+
+
+def test_sdpa_mixed_dtypes_raise_torchs_error():
+    q, k, v = (t.transpose(1, 2) for t in qkv(d=16))
+    with pytest.raises(RuntimeError, match="query, key, and value"):
+        flashtile.scaled_dot_product_attention(q, k.half(), v)
+
+
+def test_sdpa_runs_flashtile_on_what_the_kernels_take(monkeypatch):
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **kw: pytest.fail("torch's"))
+    q, k, v = (t.transpose(1, 2) for t in qkv(b=1, sq=5, sk=7, h=2, hk=2, d=16))
+    assert flashtile.scaled_dot_product_attention(q, k, v).shape == (1, 2, 5, 16)
 
 
 @pytest.mark.interpret

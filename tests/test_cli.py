@@ -116,3 +116,19 @@ def test_demo_model_end_to_end():
         assert "KVCache + CUDA graph" in table
     else:
         assert "its PyTorch reference path (no GPU)" in out and "all paths agree" in out
+
+
+@pytest.mark.parametrize("module", ["flashtile.cli", "flashtile"])
+def test_python_dash_m_runs_the_command(module):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", module, "analyze", "--seqlen", "-5", "--headdim", "64"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "--seqlen: must be a positive integer" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_plot_to_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["analyze", "--seqlen", "64", "--headdim", "64", "--sram", "196608", "--plot",
+                  str(tmp_path / "missing" / "io.png")])
+    assert e.value.code == 2 and "argument --plot: cannot write" in capsys.readouterr().err

@@ -228,6 +228,23 @@ def test_the_last_calls_plan_serves_only_calls_it_fits(monkeypatch):
             flash_attn_with_kvcache(**{**args, "v_cache": wider["v_cache"]})
 
 
+def test_a_window_of_tensors_written_in_place_is_planned_again():
+    """window_size as a pair holding a one-element tensor (flash-attn's tests pass such): writing
+    the tensor in place makes the next call, with the same tuple or a new one, plan again."""
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    lengths = torch.tensor([20, 25], dtype=torch.int32)
+    left = torch.tensor(2)
+    window = (left, 0)
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, window_size=window)
+    left.fill_(10)
+    with api.use_backend("reference"):
+        want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, window_size=(10, 0))
+    for w in (window, (left, 0)):  # the last call's tuple (its fast path), and a new one
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, window_size=w)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_inference_tensors_are_checked_every_call(monkeypatch):
     """Index tensors made under inference_mode have no version counter: no plan is kept for them,
     so every call reads and checks their values (an overflow written in place is caught)."""
@@ -470,6 +487,24 @@ REFERENCE_CASES = {
 def test_reference_backend(case):
     with api.use_backend("reference"):
         check_kvcache(2, 2, 4, 2, 32, 96, 2, torch.float16, "cpu", **case)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_merge_keeps_the_graph(backend):
+    """With gradients wanted the merge runs as torch operations (its kernel has no backward), on
+    every backend: no output comes back detached; the gradients are the float64 merge's."""
+    out_partial = torch.randn(3, 2, 4, 16, requires_grad=True)
+    lse_partial = torch.randn(3, 2, 4, requires_grad=True)
+    with api.use_backend(backend):
+        out, lse = merge_attention_states(out_partial, lse_partial)
+    assert out.requires_grad and lse.requires_grad
+    w = torch.arange(16.0)
+    ((out * w).sum() + lse.sum()).backward()
+    o64, l64 = (t.detach().double().requires_grad_() for t in (out_partial, lse_partial))
+    p = torch.softmax(l64, 0)
+    (((p[..., None] * o64).sum(0) * w.double()).sum() + torch.logsumexp(l64, 0).sum()).backward()
+    torch.testing.assert_close(out_partial.grad.double(), o64.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_partial.grad.double(), l64.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_merge():

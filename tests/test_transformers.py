@@ -387,6 +387,16 @@ def test_dense_mask_is_refused():
         model(input_ids=ids, attention_mask=dense)
 
 
+def test_causal_mask_shorter_than_the_queries_is_refused():
+    """A 2-D mask marks the keys; with causal attention the queries are its last seqlen_q tokens,
+    so a mask of fewer columns than queries is an error naming it, never misplaced rows."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    with pytest.raises(ValueError, match="attention_mask marks 3 tokens, fewer than the 5 queries"):
+        hf.attention_forward(module.eval(), q, k, v, torch.ones(2, 3, dtype=torch.long))
+
+
 def test_output_attentions_is_refused():
     model = _model("llama")
     with pytest.raises(ValueError, match="output_attentions"):

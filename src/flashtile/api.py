@@ -188,7 +188,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         out: (batch, seqlen_q, nheads, headdim), q's dtype.
         softmax_lse (only with return_attn_probs): (batch, nheads, seqlen_q) float32, natural log, of
             the softmax before dropout, the sink included; -inf for a row that sees no key (flash-attn
-            writes +inf there), or t_h with a sink.
+            writes +inf there), or t_h with a sink. It carries no gradient (as in flash-attn, whose
+            backward drops it): a loss through it does not reach q, k or v, so pieces of the keys
+            merged by their LSE (merge_attention_states) get correct outputs but not correct
+            gradients; for training, attend over all the keys in one call.
         None (only with return_attn_probs): flashtile never materialises the attention matrix, so
             there is no S_dmask, with or without dropout (reference.dropout.DropoutMask rebuilds the
             mask of a call for tests).
@@ -256,7 +259,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         learnable_sink: optional (nheads,), keyword: the attention sink, as flash_attn_func.
     Returns:
         out: (total_q, nheads, headdim), q's dtype.
-        softmax_lse (only with return_attn_probs): (nheads, total_q) float32, natural log.
+        softmax_lse (only with return_attn_probs): (nheads, total_q) float32, natural log; no
+            gradient, as flash_attn_func's.
         None (only with return_attn_probs): no attention matrix, as flash_attn_func.
 
     Checks: shapes, dtypes, devices always; the values of cu_seqlens (from 0, non-decreasing, the
@@ -297,6 +301,24 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   return_attn_probs, learnable_sink=learnable_sink)
 
 
+def _for_torch_sdpa(query, key, value, attn_mask, enable_gqa) -> bool:
+    """Whether scaled_dot_product_attention hands the call to torch's SDPA: a mask, or what the
+    kernels do not take and torch does (torch then computes it, or raises its own error)."""
+    if attn_mask is not None:
+        return True
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        return False  # the checks name the argument
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return True  # torch takes other ranks and broadcasts the leading dims
+    d = query.shape[-1]
+    if query.dtype == torch.float64 or key.dtype != query.dtype or value.dtype != query.dtype \
+            or value.shape[-1] != d or not 1 <= d <= _checks.MAX_HEADDIM:
+        return True
+    # torch broadcasts a batch or head dim of size 1 of key / value over query's
+    return any(t.shape[i] == 1 != query.shape[i] and not (i == 1 and enable_gqa)
+               for t in (key, value) for i in (0, 1))
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention's layout and semantics, on flashtile.
@@ -307,12 +329,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     j <= i). With `enable_gqa`, query heads may be a multiple of key/value heads.
     An `attn_mask` is handed to torch's own SDPA unchanged (flashtile has no arbitrary-mask kernel),
     so results are always torch's, never a silently wrong mask; so are what the kernels do not take
-    and torch does: float64 and a value head dim other than the query's. (scale = 0 raises: torch's
-    CPU SDPA returns NaN there.)
+    and torch does: float64, mixed dtypes, a value head dim other than the query's, a head dim
+    outside 1..256, inputs other than 4-D, and key/value batch or head dims of 1 that torch
+    broadcasts over query's. (scale = 0 raises: torch's CPU SDPA returns NaN there.)
     """
-    tensors = all(isinstance(t, torch.Tensor) for t in (query, key, value))
-    if attn_mask is not None or (tensors and (query.dim() != 4 or query.dtype == torch.float64
-                                             or value.shape[-1] != query.shape[-1])):
+    if _for_torch_sdpa(query, key, value, attn_mask, enable_gqa):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
@@ -781,6 +802,23 @@ def _last_plan(args: tuple, q, k_cache, v_cache, k, v):
     return plan
 
 
+def _key_part(x):
+    """One argument of a call as it keys _recent_plans: a tensor by identity and version (a tuple's
+    tensors too: window_size may be a pair of one-element tensors, flash-attn's tests pass such), a
+    plain value by value, anything else as itself (unhashable ones make the call unkeyed)."""
+    if isinstance(x, torch.Tensor):
+        return id(x), x._version
+    if type(x) is tuple and any(isinstance(e, torch.Tensor) for e in x):
+        return tuple(_key_part(e) for e in x)
+    return x
+
+
+def _arg_tensors(args: tuple) -> tuple:
+    """The tensors among a call's arguments, those inside a tuple included (see _key_part)."""
+    return tuple(t for x in args for t in ((x,) if isinstance(x, torch.Tensor) else x if type(x) is tuple else ())
+                 if isinstance(t, torch.Tensor))
+
+
 def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
     """The plan of a flash_attn_with_kvcache call; args are its arguments from cache_seqlens to
     num_splits, in DecodePlan._for_call's order."""
@@ -791,9 +829,10 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
             # float32 dots follow allow_tf32 as it is when the plan is made; a tensor argument is
             # keyed by identity and version, anything else by value
             tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-            parts = [x if type(x) in _PLAIN_TYPES else (id(x), x._version) if isinstance(x, torch.Tensor) else x
-                     for x in args]
+            parts = [x if type(x) in _PLAIN_TYPES and type(x) is not tuple else _key_part(x) for x in args]
             key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape, tf32, *parts)
+            tensors = _arg_tensors(args)
+            versions = [t._version for t in tensors]  # before planning: the versions the plan checks
             plan = _recent_plans.get(key)
         except (RuntimeError, TypeError):  # an inference tensor (no version counter), an unhashable option
             key = plan = None
@@ -804,9 +843,7 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
             if len(_recent_plans) >= RECENT_PLANS:
                 del _recent_plans[next(iter(_recent_plans))]
             _recent_plans[key] = plan
-        if plan is not None:  # the versions the plan was checked at (read into the key before planning)
-            tensors = tuple(x for x in args if isinstance(x, torch.Tensor))
-            versions = [part[1] for x, part in zip(args, parts) if isinstance(x, torch.Tensor)]
+        if plan is not None:  # the versions the plan was checked at (read before planning)
             _last_call[0] = (args, tensors, versions, tf32, plan)
             return plan
     return DecodePlan._for_call(q, k_cache, _check_tensors(q, k_cache, v_cache, k, v), *args)
@@ -827,6 +864,9 @@ def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
     Returns:
         out: (*, headdim) in out_partial's dtype (zeros where every piece is empty);
         lse: (*) float32 (-inf where every piece is empty).
+    Differentiable: with gradients enabled and an input that requires grad, the merge runs as
+    torch operations (float32, as the kernel) so that autograd carries the gradients back. (The
+    softmax_lse that flash_attn_func returns carries none: see its docstring.)
     """
     if not isinstance(out_partial, torch.Tensor):
         raise TypeError(f"out_partial must be a torch.Tensor, got {type(out_partial).__name__}")
@@ -841,7 +881,11 @@ def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
         raise ValueError(f"lse_partial must be on the device of out_partial ({out_partial.device}), "
                          f"got {lse_partial.device}")
     _checks.check_sink_rows(learnable_sink, tuple(lse_partial.shape[1:]), out_partial.device)
-    if backend_for(out_partial) == "reference":
+    # the merge kernel has no backward: a merge that autograd must differentiate runs the torch
+    # merge (float32, the kernel's arithmetic), so no output comes back detached from the graph
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (out_partial, lse_partial, learnable_sink))
+    if needs_grad or backend_for(out_partial) == "reference":
         from flashtile.reference.decoding import merge
 
         return merge(out_partial, lse_partial, sink=learnable_sink)

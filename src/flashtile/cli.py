@@ -79,8 +79,11 @@ def _analyze(args, parser) -> int:
         parser.error(str(e))
     print(json.dumps(summary, indent=1) if args.json else report.text(summary))
     if args.plot:
-        report.plot(args.plot, args.headdim, args.dtype, args.sram, args.gpu, block_m=args.block_m,
-                    block_n=args.block_n, num_splits=args.splits)
+        try:
+            report.plot(args.plot, args.headdim, args.dtype, args.sram, args.gpu, block_m=args.block_m,
+                        block_n=args.block_n, num_splits=args.splits)
+        except OSError as e:  # a missing folder, no permission: the argument's error, not a traceback
+            parser.error(f"argument --plot: cannot write {args.plot!r}: {e.strerror or e}")
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -119,3 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "analyze":
         return _analyze(args, parser)
     return _bench(args, parser)
+
+
+if __name__ == "__main__":  # python -m flashtile.cli ...
+    sys.exit(main())

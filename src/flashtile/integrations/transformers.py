@@ -343,6 +343,9 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
         raise ValueError(f"attention_mask must have shape (batch, n) with batch = {b} and n <= seqlen_k = {sk} "
                          f"(the keys it marks), got {tuple(mask.shape)}")
     n = mask.shape[1]
+    if options["causal"] and sq > n:
+        raise ValueError(f"attention_mask marks {n} tokens, fewer than the {sq} queries: with causal attention the "
+                         f"queries are the mask's last seqlen_q tokens, so it must have at least {sq} columns")
     indices_k, cu_k, max_k = _packing(mask, n)
     k_packed, v_packed = (t[:, :n].reshape(b * n, *t.shape[2:]).index_select(0, indices_k) for t in (k, v))
     if options["causal"] and sq > 1:  # the queries are the last sq tokens of the mask
