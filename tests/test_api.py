@@ -46,6 +46,9 @@ def test_bad_inputs_name_the_argument(args, match, exc):
     (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must have shape"),
     (dict(dropout_p=1.5), "dropout_p must be in"),
     (dict(dropout_p="0.1"), "dropout_p must be a real number"),
+    (dict(causal="False"), "causal must be a bool, got str 'False'"),
+    (dict(causal=1), "causal must be a bool, got int"),
+    (dict(deterministic="no"), "deterministic must be a bool, got str"),
 ])
 def test_bad_options(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

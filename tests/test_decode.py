@@ -104,6 +104,9 @@ ERRORS = {
     "num-splits": (_call(num_splits=-1), ValueError, "num_splits"),
     "num-splits-float": (_call(num_splits=2.0), TypeError, "num_splits must be an int"),
     "window": (_call(window_size=(-2, 0)), ValueError, "window_size"),
+    "causal-str": (_call(causal="False"), TypeError, "causal must be a bool, got str 'False'"),
+    "rotary-interleaved-int": (_call(**_rotary(), rotary_interleaved=0), TypeError,
+                               "rotary_interleaved must be a bool"),
     "softcap": (_call(softcap=-1.0), ValueError, "softcap"),
     "alibi": (_call(alibi_slopes=torch.rand(3)), ValueError, "alibi_slopes must have shape"),
 }

@@ -180,6 +180,18 @@ def test_bad_uses_raise_clear_errors():
         model.attn = "flash"
     with pytest.raises(ValueError, match="multiple of n_kv_head"):
         GPTConfig(n_head=4, n_kv_head=3)
+    for bad, match in ((dict(n_head=0), "n_head must be a positive int, got 0"),
+                       (dict(n_kv_head=0), "n_kv_head must be a positive int"),
+                       (dict(n_layer=2.0), "n_layer must be a positive int"),
+                       (dict(dropout=2.0), r"dropout must be in \[0, 1\)")):
+        with pytest.raises(ValueError, match=match):
+            GPTConfig(**bad)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -3"):
+        model.generate(prompt[:, :5], -3)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        model.generate(prompt[:, :5], 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k must be None or an int >= 1, got 0"):
+        model.generate(prompt[:, :5], 2, top_k=0)
     with pytest.raises(ValueError, match="cache overflow"):
         cache = model.make_cache(1, 4)
         model(prompt[:, :5], cache=cache)

@@ -150,6 +150,14 @@ def test_pad_input_takes_int32_indices_and_checks_its_arguments():
         flashtile.pad_input(packed, indices, -1, 6)
     with pytest.raises(TypeError, match="hidden_states must be a tensor"):
         flashtile.pad_input(packed.tolist(), indices, 2, 6)
+    with pytest.raises(ValueError, match=r"indices must name rows of the batch \* seqlen = 6 padded positions"):
+        flashtile.pad_input(packed, indices, 2, 3)  # the second sequence's rows are 6 and 7
+    with pytest.raises(ValueError, match=r"got values in \[-1, "):
+        flashtile.pad_input(packed, torch.cat([indices[:-1], indices.new_tensor([-1])]), 2, 6)
+    with pytest.raises(ValueError, match=r"hidden_states must be a tensor \(batch, seqlen, ...\), got \(12,\)"):
+        flashtile.unpad_input(x.flatten()[:12], torch.ones(2, 6))
+    with pytest.raises(TypeError, match="hidden_states must be a tensor .* got list"):
+        flashtile.unpad_input(x.tolist(), torch.ones(2, 6))
 
 
 def varlen_args(lens=(5, 9), h=2, hk=2, d=16, dtype=torch.float32):

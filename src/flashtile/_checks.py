@@ -82,9 +82,21 @@ def check_int(name: str, x, minimum: int = 0) -> int:
     return x
 
 
+def check_flag(name: str, x) -> bool:
+    """A boolean argument: True, False or a numpy bool. Anything else is refused rather than read
+    by its truth value ("False" and 0.5 are true), as flash-attn's typed bool parameters refuse it."""
+    if type(x) is bool:
+        return x
+    if isinstance(x, np.bool_):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+
+
 def check_window(window_size, causal: bool) -> tuple[int, int]:
-    """Normalise (left, right): -1 means unbounded; causal forces right = 0. A tuple, a list or a
-    2-element tensor or numpy array of ints, as flash-attn accepts."""
+    """Normalise (left, right): -1 means unbounded; causal (a bool, check_flag) forces right = 0. A
+    tuple, a list or a 2-element tensor or numpy array of ints, as flash-attn accepts."""
+    if type(causal) is not bool:
+        causal = check_flag("causal", causal)
     if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
             and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1:
         return window_size[0], (0 if causal else window_size[1])  # the common case, on every call's host path

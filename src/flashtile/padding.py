@@ -43,6 +43,10 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
         seqused: (batch,) int32, the attended tokens of each sequence (= its length without
             unused_mask).
     """
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"hidden_states must be a tensor (batch, seqlen, ...), got {type(hidden_states).__name__}")
+    if hidden_states.dim() < 2:
+        raise ValueError(f"hidden_states must be a tensor (batch, seqlen, ...), got {tuple(hidden_states.shape)}")
     indices, cu_seqlens, max_seqlen, seqused = packing(attention_mask, unused_mask, hidden_states.shape[:2])
     return hidden_states.flatten(0, 1).index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
 
@@ -77,5 +81,9 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
                          f"{tuple(indices.shape)}")
     batch, seqlen = _checks.check_int("batch", batch), _checks.check_int("seqlen", seqlen)
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
-    # index_copy checks the range on the CPU and on the GPU (a device-side assert there)
+    if indices.device.type == "cpu" and indices.numel():  # on the GPU index_copy asserts on the device
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= batch * seqlen:
+            raise ValueError(f"indices must name rows of the batch * seqlen = {batch * seqlen} padded positions, "
+                             f"got values in [{lo}, {hi}]")
     return out.index_copy(0, indices.long(), hidden_states).unflatten(0, (batch, seqlen))

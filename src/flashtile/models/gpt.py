@@ -53,6 +53,12 @@ class GPTConfig:
     attn: str = "flashtile"  # "flashtile" | "sdpa" | "eager"
 
     def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"n_embd ({self.n_embd}) must be n_head ({self.n_head}) x an even head dim")
         if self.n_head % self.n_kv_head:
@@ -480,6 +486,8 @@ class GPT(nn.Module):
         against).
         """
         B, T = idx.shape
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if T + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds block_size "
                              f"({self.config.block_size})")
@@ -501,6 +509,10 @@ class GPT(nn.Module):
 
 def sample(logits, temperature: float = 1.0, top_k: int | None = None, generator=None):
     """(B, vocab) logits -> (B, 1) token ids; temperature 0 is greedy (argmax)."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
