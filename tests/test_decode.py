@@ -137,7 +137,8 @@ def test_errors_of_a_plan(args, error, message):
 
 PLAN_ERRORS = {
     "cache-shape": (dict(cache_shape=(2, 64, 2)), {}, ValueError, "cache_shape must be k_cache's shape (4 ints)"),
-    "dtype": (dict(dtype=torch.float64), {}, TypeError, "dtype must be float16, bfloat16 or float32"),
+    "dtype": (dict(dtype=torch.float64), {}, TypeError,
+              "dtype must be torch.float16, torch.bfloat16 or torch.float32, got torch.float64"),
     "lengths-count": (dict(cache_seqlens=[3]), {}, ValueError, "cache_seqlens must hold 2 lengths (batch), got 1"),
     "lengths-floats": (dict(cache_seqlens=[3.0, 5.5]), {}, TypeError, "cache_seqlens must be a list of ints"),
     "lengths-int32": (dict(cache_seqlens=[3, 2**33]), {}, ValueError, "cache_seqlens must fit in int32"),

@@ -268,6 +268,8 @@ def test_shard_unshard_round_trip(layout):
     packed = torch.arange(18 * 2).view(18, 2)
     shards = [distributed.shard_sequence(packed, r, 3, dim=0, layout=layout, cu_seqlens=cu) for r in range(3)]
     assert torch.equal(distributed.unshard_sequence(shards, dim=0, layout=layout, cu_seqlens=cu), packed)
+    with pytest.raises(ValueError, match=r"dim must name a dimension of x \(shape \(2, 24, 3\)\), got 5"):
+        distributed.shard_sequence(x, 0, 3, dim=5, layout=layout)
 
 
 def test_zigzag_shards():

@@ -482,7 +482,7 @@ class DecodePlan:
             raise ValueError(f"cache_shape must be k_cache's shape (4 ints), got {cache_shape!r}")
         cache_shape = torch.Size(_checks.check_int(f"cache_shape[{i}]", n) for i, n in enumerate(cache_shape))
         if dtype not in _KERNEL_DTYPES:
-            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+            raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the tensors' device names its index
             device = torch.device("cuda", torch.cuda.current_device())

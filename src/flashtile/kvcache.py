@@ -30,7 +30,7 @@ def _check_sizes(**sizes) -> None:
 
 def _check_dtype(dtype) -> None:
     if dtype not in api._KERNEL_DTYPES:
-        raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
 
 
 class _Cache:

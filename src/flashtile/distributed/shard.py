@@ -60,6 +60,10 @@ def shard_sequence(x: torch.Tensor, rank: int, world: int, *, dim: int = 1, layo
     plan.num_chunks(world, layout) equal chunks (per sequence with cu_seqlens)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must name a dimension of x (shape {tuple(x.shape)}), got {dim}")
     index = shard_index(x.shape[dim], rank, world, layout, cu_seqlens)
     return x.index_select(dim, index.to(x.device))
 
