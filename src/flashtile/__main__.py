@@ -4,4 +4,5 @@ import sys
 
 from flashtile.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (pkgutil.walk_packages) runs nothing
+    sys.exit(main())
