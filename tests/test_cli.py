@@ -55,6 +55,8 @@ def test_analyze_table_and_plot(tmp_path, capsys):
     pytest.param(["analyze", "--seqlen", "64", "--headdim", "64", "--sram", "1024", "--gpu", "v100"],
                  "--gpu: invalid choice: 'v100'", id="unknown-gpu"),
     pytest.param(["analyze", "--seqlen", "64", "--headdim", "64"], "--sram", id="missing-sram"),
+    pytest.param(["analyze", "--seqlen", str(1 << 40), "--headdim", "64", "--sram", "1024"],
+                 "--seqlen: must be at most 2^30", id="seqlen-past-2^30"),
     pytest.param(["analyze", "--seqlen", "64", "--headdim", "64", "--sram", "1024", "--dtype", "float32",
                   "--gpu", "h100-measured"], "no float32 compute ceiling", id="measured-gpu-fp32"),
     pytest.param(["demo", "--seqlens", "0"], "--seqlens: must be a positive integer", id="demo-seqlen-0"),

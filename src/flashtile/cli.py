@@ -23,6 +23,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_SEQLEN = 1 << 30  # the IO model walks the query blocks: 2^30 takes ~10 s on a CPU, far more hangs
+
+
+def _seqlen(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_SEQLEN:
+        raise argparse.ArgumentTypeError(f"must be at most 2^30 = {MAX_SEQLEN}, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flashtile import demo  # neither module imports triton
     from flashtile.analysis import report
@@ -46,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     analyze = sub.add_parser("analyze", help="FLOPs, HBM bytes, arithmetic intensity and roofline time of "
                                              "standard attention, FA1, FA2 and Flash-Decoding")
-    analyze.add_argument("--seqlen", type=_positive_int, required=True, metavar="N")
+    analyze.add_argument("--seqlen", type=_seqlen, required=True, metavar="N")
     analyze.add_argument("--headdim", type=_positive_int, required=True, metavar="D")
     analyze.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
                          help="input dtype: sets the element size (default: %(default)s)")
