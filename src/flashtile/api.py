@@ -781,7 +781,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # _last_call below those of the last call, after they leave this dict).
 _recent_plans: dict = {}
 RECENT_PLANS = 8
-_PLAIN_TYPES = frozenset((type(None), bool, int, float, tuple))  # keyed by value without asking isinstance
+_PLAIN_TYPES = frozenset((type(None), bool, int, float))  # keyed by value without asking isinstance
 # The last call's (arguments, their tensors, the tensors' versions, allow_tf32, plan): a call whose
 # arguments are the same objects, unchanged, and whose tensors match the plan takes it without
 # building the key above (the next layer of a decoding step: ~2 us of host time less on a CPU
@@ -818,8 +818,13 @@ def _key_part(x):
 
 def _arg_tensors(args: tuple) -> tuple:
     """The tensors among a call's arguments, those inside a tuple included (see _key_part)."""
-    return tuple(t for x in args for t in ((x,) if isinstance(x, torch.Tensor) else x if type(x) is tuple else ())
-                 if isinstance(t, torch.Tensor))
+    found = []
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif type(x) is tuple:
+            found.extend(e for e in x if isinstance(e, torch.Tensor))
+    return tuple(found)
 
 
 def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
@@ -829,10 +834,10 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
     if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(k, (torch.Tensor, type(None))) \
             and not torch.compiler.is_compiling():
         try:
-            # float32 dots follow allow_tf32 as it is when the plan is made; a tensor argument is
-            # keyed by identity and version, anything else by value
+            # float32 dots follow allow_tf32 as it is when the plan is made; a tensor argument (one
+            # in a tuple too) is keyed by identity and version, anything else by value (_key_part)
             tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-            parts = [x if type(x) in _PLAIN_TYPES and type(x) is not tuple else _key_part(x) for x in args]
+            parts = [x if type(x) in _PLAIN_TYPES else _key_part(x) for x in args]
             key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape, tf32, *parts)
             tensors = _arg_tensors(args)
             versions = [t._version for t in tensors]  # before planning: the versions the plan checks
