@@ -55,11 +55,12 @@ def test_bad_options(kwargs, match):
         flashtile.flash_attn_func(*qkv(), **kwargs)
 
 
-@pytest.mark.parametrize("case", ["float64", "value-head-dim", "head-dim-300", "key-batch-1", "key-heads-1", "3d-key"])
+@pytest.mark.parametrize("case", ["float64", "value-head-dim", "head-dim-300", "key-batch-1", "query-batch-1",
+                                  "query-heads-1", "3d-key"])
 def test_sdpa_hands_what_the_kernels_do_not_take_to_torch(case):
     """flashtile's scaled_dot_product_attention keeps torch's semantics where its kernels have none:
-    float64, a value head dim other than the query's, a head dim past 256, key / value batch or
-    heads of 1 (torch broadcasts them) and 3-D key / value beside a 4-D query run torch's."""
+    float64, a value head dim other than the query's, a head dim past 256, a batch (or query
+    heads) of 1 that torch broadcasts and 3-D key / value beside a 4-D query run torch's."""
     q, k, v = (t.transpose(1, 2) for t in qkv(b=2, sq=7, sk=9, h=2, hk=2, d=16))
     if case == "float64":
         q, k, v = q.double(), k.double(), v.double()
@@ -69,8 +70,10 @@ def test_sdpa_hands_what_the_kernels_do_not_take_to_torch(case):
         q, k, v = torch.randn(1, 2, 5, 300), torch.randn(1, 2, 7, 300), torch.randn(1, 2, 7, 300)
     elif case == "key-batch-1":
         k, v = k[:1], v[:1]
-    elif case == "key-heads-1":
-        k, v = k[:, :1], v[:, :1]
+    elif case == "query-batch-1":
+        q = q[:1]
+    elif case == "query-heads-1":
+        q = q[:, :1]
     else:
         k, v = k[0], v[0]
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -83,10 +86,23 @@ def test_sdpa_mixed_dtypes_raise_torchs_error():
         flashtile.scaled_dot_product_attention(q, k.half(), v)
 
 
-def test_sdpa_runs_flashtile_on_what_the_kernels_take(monkeypatch):
+@pytest.mark.parametrize("hk,gqa", [(4, False), (1, False), (1, True), (2, True)],
+                         ids=["mha", "mqa-bcast", "mqa", "gqa"])
+def test_sdpa_runs_flashtile_on_what_the_kernels_take(monkeypatch, hk, gqa):
+    """Equal heads, and key / value heads that divide query's with enable_gqa or are one (torch
+    broadcasts a single head: multi-query attention), run the kernels and match torch."""
+    q, k, v = (t.transpose(1, 2) for t in qkv(b=2, sq=5, sk=7, h=4, hk=hk, d=16))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **kw: pytest.fail("torch's"))
-    q, k, v = (t.transpose(1, 2) for t in qkv(b=1, sq=5, sk=7, h=2, hk=2, d=16))
-    assert flashtile.scaled_dot_product_attention(q, k, v).shape == (1, 2, 5, 16)
+    torch.testing.assert_close(flashtile.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), want,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,value", [("is_causal", "False"), ("is_causal", 1), ("enable_gqa", "no")])
+def test_sdpa_flags_are_bools(name, value):
+    q, k, v = (t.transpose(1, 2) for t in qkv(d=16))
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        flashtile.scaled_dot_product_attention(q, k, v, **{name: value})
 
 
 @pytest.mark.interpret

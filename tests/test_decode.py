@@ -247,6 +247,22 @@ def test_a_window_of_tensors_written_in_place_is_planned_again():
     for w in (window, (left, 0)):  # the last call's tuple (its fast path), and a new one
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, window_size=w)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # the plan keeps the tensors of its key alive: a freed one's id cannot come back for another
+    assert any(t is left for _, tensors in api._recent_plans.values() for t in tensors)
+
+
+def test_a_cached_plan_does_not_lift_the_type_checks():
+    """Plain values are keyed with their types: causal=1 (or num_splits=2.0) is refused after a
+    call with causal=True (num_splits=2) planned, as it is on a cold cache."""
+    args = _call(k=None, v=None)
+    with api.use_backend("reference"):
+        flash_attn_with_kvcache(**args, causal=True, num_splits=2, window_size=(3, 0))
+        with pytest.raises(TypeError, match="causal must be a bool, got int"):
+            flash_attn_with_kvcache(**args, causal=1, num_splits=2, window_size=(3, 0))
+        with pytest.raises(TypeError, match="num_splits must be an int, got float"):
+            flash_attn_with_kvcache(**args, causal=True, num_splits=2.0, window_size=(3, 0))
+        with pytest.raises(TypeError, match="window_size left must be an int, got float"):
+            flash_attn_with_kvcache(**args, causal=True, num_splits=2, window_size=(3.0, 0))
 
 
 def test_inference_tensors_are_checked_every_call(monkeypatch):
@@ -440,6 +456,10 @@ def test_tiles_with_a_given_split_count(monkeypatch):
     assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 16, 8192, num_splits=4)[1] == 4
     assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 2, 65536, num_splits=1)[0].block_n == 128  # one round
     assert configs.decode_tiles(8, 128, torch.float16, 16, cuda, 512, 8192, num_splits=1)[0].block_n == 64
+    # unsplit one-round launches of other page sizes and packed row counts keep their tiles
+    for rows, page in ((8, 32), (8, 64), (32, 16)):
+        assert configs.decode_tiles(rows, 128, torch.float16, page, cuda, 256, 512)[0] == \
+            configs.decode_config(rows, 128, torch.float16, page, cuda)
     # head dims, packed query rows and page sizes the one-page tiles were not measured at keep theirs
     for rows, d, page in ((8, 64, 16), (64, 128, 16), (8, 128, 32)):
         assert configs.decode_tiles(rows, d, torch.float16, page, cuda, 16, 8192)[0] == \
@@ -509,6 +529,35 @@ def test_merge_keeps_the_graph(backend):
     (((p[..., None] * o64).sum(0) * w.double()).sum() + torch.logsumexp(l64, 0).sum()).backward()
     torch.testing.assert_close(out_partial.grad.double(), o64.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_partial.grad.double(), l64.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_merge_gradients_are_finite_where_every_piece_is_empty(backend):
+    """A row whose pieces all saw no key (lse -inf): its merged lse is -inf and every gradient is
+    finite, with a sink (whose fold reads the lse) and through a second merge."""
+    out_partial = torch.randn(3, 4, 8)
+    lse_partial = torch.randn(3, 4)
+    lse_partial[:, 1] = float("-inf")
+    out_partial, lse_partial = out_partial.requires_grad_(), lse_partial.requires_grad_()
+    with api.use_backend(backend):
+        out, lse = merge_attention_states(out_partial, lse_partial, learnable_sink=torch.zeros(4))
+        again, lse2 = merge_attention_states(torch.stack([out, torch.ones_like(out)]),
+                                             torch.stack([lse, torch.zeros_like(lse)]))
+    (again.sum() + lse2.sum()).backward()
+    assert torch.isfinite(out_partial.grad).all() and torch.isfinite(lse_partial.grad).all()
+    assert torch.equal(out_partial.grad[:, 1], torch.zeros(3, 8))
+    assert torch.equal(lse_partial.grad[:, 1], torch.zeros(3))
+
+
+def test_merge_of_pieces_without_lse_gradients_raises():
+    """flash_attn_func's softmax_lse carries no gradient: merging such pieces for training would
+    drop the LSE's part of the gradient, so it is refused; detached pieces merge."""
+    out_partial = torch.randn(2, 3, 8, requires_grad=True)
+    lse_partial = torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match="out_partial requires grad and lse_partial does not"):
+        merge_attention_states(out_partial, lse_partial)
+    out, _ = merge_attention_states(out_partial.detach(), lse_partial)
+    assert not out.requires_grad
 
 
 def test_reference_merge():

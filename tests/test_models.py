@@ -7,6 +7,7 @@ On a CPU-only machine the session sets TRITON_INTERPRET=1 (conftest); a model ma
 attention calls, so these tests run flashtile's PyTorch reference path (the `interpret` test at the
 end runs the kernels on a one-layer model, and the kernels have their own tests)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,6 +193,7 @@ def test_bad_uses_raise_clear_errors():
         model.generate(prompt[:, :5], 2, temperature=-1.0)
     with pytest.raises(ValueError, match="top_k must be None or an int >= 1, got 0"):
         model.generate(prompt[:, :5], 2, top_k=0)
+    assert GPTConfig(n_head=np.int64(4), n_kv_head=np.int64(2)).n_head == 4  # numpy ints are ints
     with pytest.raises(ValueError, match="cache overflow"):
         cache = model.make_cache(1, 4)
         model(prompt[:, :5], cache=cache)
@@ -230,6 +232,16 @@ def test_train_script_trains_samples_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "6 steps in" in out and "--- sample" in out and "Shall I compare thee" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv,match", [(["--top-k", "0"], "--top-k: must be >= 1"),
+                                        (["--temperature", "-1"], "--temperature: must be >= 0")])
+def test_train_script_checks_its_sampling_arguments_first(argv, match, capsys):
+    from flashtile.models import train
+
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert match in capsys.readouterr().err
 
 
 @pytest.mark.interpret

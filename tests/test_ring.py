@@ -270,6 +270,8 @@ def test_shard_unshard_round_trip(layout):
     assert torch.equal(distributed.unshard_sequence(shards, dim=0, layout=layout, cu_seqlens=cu), packed)
     with pytest.raises(ValueError, match=r"dim must name a dimension of x \(shape \(2, 24, 3\)\), got 5"):
         distributed.shard_sequence(x, 0, 3, dim=5, layout=layout)
+    with pytest.raises(ValueError, match=r"dim must name a dimension of the shards \(shape \(6, 2\)\), got 2"):
+        distributed.unshard_sequence(shards, dim=2, layout=layout, cu_seqlens=cu)
 
 
 def test_zigzag_shards():

@@ -395,6 +395,10 @@ def test_causal_mask_shorter_than_the_queries_is_refused():
     q, k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
     with pytest.raises(ValueError, match="attention_mask marks 3 tokens, fewer than the 5 queries"):
         hf.attention_forward(module.eval(), q, k, v, torch.ones(2, 3, dtype=torch.long))
+    # a few queries over many keys take the decoding kernels: refused there too
+    q, k, v = torch.randn(2, 2, 4, 16), torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    with pytest.raises(ValueError, match="attention_mask marks 2 tokens, fewer than the 4 queries"):
+        hf.attention_forward(module.eval(), q, k, v, torch.ones(2, 2, dtype=torch.long))
 
 
 def test_output_attentions_is_refused():

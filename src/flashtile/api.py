@@ -315,9 +315,13 @@ def _for_torch_sdpa(query, key, value, attn_mask, enable_gqa) -> bool:
     if query.dtype == torch.float64 or key.dtype != query.dtype or value.dtype != query.dtype \
             or value.shape[-1] != d or not 1 <= d <= _checks.MAX_HEADDIM:
         return True
-    # torch broadcasts a batch or head dim of size 1 of key / value over query's
-    return any(t.shape[i] == 1 != query.shape[i] and not (i == 1 and enable_gqa)
-               for t in (key, value) for i in (0, 1))
+    (b, h), (bk, hk), (bv, hv) = query.shape[:2], key.shape[:2], value.shape[:2]
+    if not b == bk == bv or hk != hv:
+        return True  # torch broadcasts a batch (or head) dim of 1, on either side, or raises
+    # heads the kernels take: a multiple of key/value's with enable_gqa, or one key/value head
+    # (torch broadcasts it over query's: multi-query attention); another multiple without
+    # enable_gqa gets flashtile's error naming it. torch broadcasts query heads of 1 (or raises).
+    return h % hk != 0
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -331,9 +335,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     An `attn_mask` is handed to torch's own SDPA unchanged (flashtile has no arbitrary-mask kernel),
     so results are always torch's, never a silently wrong mask; so are what the kernels do not take
     and torch does: float64, mixed dtypes, a value head dim other than the query's, a head dim
-    outside 1..256, inputs other than 4-D, and key/value batch or head dims of 1 that torch
-    broadcasts over query's. (scale = 0 raises: torch's CPU SDPA returns NaN there.)
+    outside 1..256, inputs other than 4-D, and batch dims of 1 (or query heads of 1) that torch
+    broadcasts. One key/value head is broadcast over query's heads by the kernels (multi-query
+    attention). is_causal and enable_gqa must be bools, as torch's. (scale = 0 raises: torch's CPU
+    SDPA returns NaN there.)
     """
+    is_causal = _checks.check_flag("is_causal", is_causal)
+    enable_gqa = _checks.check_flag("enable_gqa", enable_gqa)
     if _for_torch_sdpa(query, key, value, attn_mask, enable_gqa):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -341,8 +349,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _checks.check_tensor("query", query, 4)
     _checks.check_tensor("key", key, 4)
     _checks.check_tensor("value", value, 4)
-    if not enable_gqa and key.shape[1] != query.shape[1]:
-        raise ValueError(f"key must have {query.shape[1]} heads (as query) unless enable_gqa=True, "
+    if not enable_gqa and key.shape[1] not in (query.shape[1], 1):
+        raise ValueError(f"key must have {query.shape[1]} heads (as query) or one unless enable_gqa=True, "
                          f"got {key.shape[1]}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BHLE -> BSHD views
     sq, sk = q.shape[1], k.shape[1]
@@ -775,10 +783,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # The plans of recent flash_attn_with_kvcache calls. The layers of a decoding step pass the same
 # index tensors (same objects, unchanged), so they share one plan: made and checked by the first
 # layer, looked up by the others, whose tensors DecodePlan.run then checks against it. A tensor
-# argument is keyed by identity and version counter: a plan holds the tensors of its key, so no
-# other tensor can take their ids while it is here, and writing one in place moves its version,
-# so the next call plans (and checks) again. Bounded: each entry keeps its tensors alive (and
-# _last_call below those of the last call, after they leave this dict).
+# argument is keyed by identity and version counter: each entry, (plan, the key's tensors), holds
+# them, so no other tensor can take their ids while it is here, and writing one in place moves its
+# version, so the next call plans (and checks) again. Plain values are keyed with their types (1
+# and True, 2 and 2.0 are equal keys, and the checks refuse one of each). Bounded: each entry keeps
+# its tensors alive (and _last_call below those of the last call, after they leave this dict).
 _recent_plans: dict = {}
 RECENT_PLANS = 8
 _PLAIN_TYPES = frozenset((type(None), bool, int, float))  # keyed by value without asking isinstance
@@ -808,11 +817,12 @@ def _last_plan(args: tuple, q, k_cache, v_cache, k, v):
 def _key_part(x):
     """One argument of a call as it keys _recent_plans: a tensor by identity and version (a tuple's
     tensors too: window_size may be a pair of one-element tensors, flash-attn's tests pass such), a
-    plain value by value, anything else as itself (unhashable ones make the call unkeyed)."""
+    tuple of plain values by its values and their types, anything else as itself (unhashable ones
+    make the call unkeyed)."""
     if isinstance(x, torch.Tensor):
         return id(x), x._version
-    if type(x) is tuple and any(isinstance(e, torch.Tensor) for e in x):
-        return tuple(_key_part(e) for e in x)
+    if type(x) is tuple:  # its elements' types too: (3.0, 0) is refused where (3, 0) is not
+        return tuple(_key_part(e) for e in x) if any(isinstance(e, torch.Tensor) for e in x) else (x, *map(type, x))
     return x
 
 
@@ -838,10 +848,11 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
             # in a tuple too) is keyed by identity and version, anything else by value (_key_part)
             tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
             parts = [x if type(x) in _PLAIN_TYPES else _key_part(x) for x in args]
-            key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape, tf32, *parts)
+            key = (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape, tf32, *parts,
+                   *map(type, args))
             tensors = _arg_tensors(args)
             versions = [t._version for t in tensors]  # before planning: the versions the plan checks
-            plan = _recent_plans.get(key)
+            plan = _recent_plans.get(key, (None, ))[0]
         except (RuntimeError, TypeError):  # an inference tensor (no version counter), an unhashable option
             key = plan = None
         if plan is None and key is not None:
@@ -850,7 +861,9 @@ def _plan_of_call(q, k_cache, v_cache, k, v, args: tuple) -> DecodePlan:
                 return plan
             if len(_recent_plans) >= RECENT_PLANS:
                 del _recent_plans[next(iter(_recent_plans))]
-            _recent_plans[key] = plan
+            # the key's tensors stay alive with it: a tensor the plan read as a value (a window side,
+            # a 0-d scale) would otherwise free its id for another tensor to match the key
+            _recent_plans[key] = (plan, tensors)
         if plan is not None:  # the versions the plan was checked at (read before planning)
             _last_call[0] = (args, tensors, versions, tf32, plan)
             return plan
@@ -873,8 +886,10 @@ def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
         out: (*, headdim) in out_partial's dtype (zeros where every piece is empty);
         lse: (*) float32 (-inf where every piece is empty).
     Differentiable: with gradients enabled and an input that requires grad, the merge runs as
-    torch operations (float32, as the kernel) so that autograd carries the gradients back. (The
-    softmax_lse that flash_attn_func returns carries none: see its docstring.)
+    torch operations (float32, as the kernel) so that autograd carries the gradients back. An
+    out_partial that requires grad beside an lse_partial that does not raises RuntimeError: the
+    merged output's gradient runs through both (the softmax_lse that flash_attn_func returns
+    carries none: see its docstring).
     """
     if not isinstance(out_partial, torch.Tensor):
         raise TypeError(f"out_partial must be a torch.Tensor, got {type(out_partial).__name__}")
@@ -893,6 +908,11 @@ def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
     # merge (float32, the kernel's arithmetic), so no output comes back detached from the graph
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (out_partial, lse_partial, learnable_sink))
+    if needs_grad and out_partial.requires_grad and not lse_partial.requires_grad:
+        raise RuntimeError("out_partial requires grad and lse_partial does not: the merged output depends on "
+                           "the pieces' LSE too, so its gradients would be incomplete (flash_attn_func's "
+                           "softmax_lse carries none); attend over all the keys in one call to train, or "
+                           "detach out_partial to merge without gradients")
     if needs_grad or backend_for(out_partial) == "reference":
         from flashtile.reference.decoding import merge
 

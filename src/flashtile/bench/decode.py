@@ -395,9 +395,11 @@ def sweep(args) -> dict:
                     configs.decode_config = (lambda r, d, dt, p, dev, split=False, one_round=False, t=tile:
                                              configs.BlockConfig(real(r, d, dt, p, dev).block_m, *t))
                 configs.DECODE_FUSED_MAX_SPLITS = 1 << 30 if combine == "fused" else 0
-                cfg = configs.decode_config(h // hk, HEADDIM, dtype, page, torch.device(DEVICE))
                 base = chosen_splits(batch, context, h, hk, dtype, page)
                 splits = max(1, round(base * factor))
+                # the tiles the launch takes (decode_tiles: split or one-round tiles where they apply)
+                cfg = configs.decode_tiles(h // hk, HEADDIM, dtype, page, torch.device(DEVICE), batch * hk, context,
+                                           num_splits=splits)[0]
                 # a new lengths tensor per variant: flash_attn_with_kvcache keeps its recent plans by the
                 # identity of the index tensors, and each variant's plan has other tiles
                 fn, check = implementations(batch, context, h, hk, seqlens.clone(), dtype, num_splits=splits)[

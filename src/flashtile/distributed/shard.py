@@ -53,6 +53,11 @@ def shard_index(seqlen: int, rank: int, world: int, layout: str = "zigzag", cu_s
                       for start, n in zip(starts.tolist(), lengths)]) if lengths else torch.zeros(0, dtype=torch.int64)
 
 
+def _check_dim(dim: int, shape, what: str) -> None:
+    if not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
+        raise ValueError(f"dim must name a dimension of {what} (shape {tuple(shape)}), got {dim!r}")
+
+
 def shard_sequence(x: torch.Tensor, rank: int, world: int, *, dim: int = 1, layout: str = "zigzag",
                    cu_seqlens=None) -> torch.Tensor:
     """rank's shard of x along dim (the sequence dim: 1 for (batch, seqlen, ...), 0 for a packed
@@ -60,10 +65,7 @@ def shard_sequence(x: torch.Tensor, rank: int, world: int, *, dim: int = 1, layo
     plan.num_chunks(world, layout) equal chunks (per sequence with cu_seqlens)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must name a dimension of x (shape {tuple(x.shape)}), got {dim}")
+    _check_dim(dim, x.shape, "x")
     index = shard_index(x.shape[dim], rank, world, layout, cu_seqlens)
     return x.index_select(dim, index.to(x.device))
 
@@ -80,6 +82,7 @@ def unshard_sequence(shards, *, dim: int = 1, layout: str = "zigzag", cu_seqlens
         if list(s.shape) != shape:
             raise ValueError(f"every shard must have shape {tuple(shape)} (as rank 0's), rank {r}'s has "
                              f"{tuple(s.shape)}")
+    _check_dim(dim, shape, "the shards")
     seqlen = shape[dim] * world
     shape[dim] = seqlen
     full = shards[0].new_empty(shape)

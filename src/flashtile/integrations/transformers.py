@@ -243,6 +243,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sink = kwargs.get("s_aux")
     if sink is not None:  # absent otherwise: calls without sinks are the same as before them
         options["learnable_sink"] = sink
+    if is_causal and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 \
+            and q.shape[1] > attention_mask.shape[1]:
+        n, sq = attention_mask.shape[1], q.shape[1]
+        raise ValueError(f"attention_mask marks {n} tokens, fewer than the {sq} queries: with causal attention the "
+                         f"queries are the mask's last seqlen_q tokens, so it must have at least {sq} columns")
     left = None
     if attention_mask is not None and _decoding_step(q, k, v, dropout_p, sink):
         left = _left_padding(attention_mask, q.shape[0], k.shape[1])
@@ -343,9 +348,6 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
         raise ValueError(f"attention_mask must have shape (batch, n) with batch = {b} and n <= seqlen_k = {sk} "
                          f"(the keys it marks), got {tuple(mask.shape)}")
     n = mask.shape[1]
-    if options["causal"] and sq > n:
-        raise ValueError(f"attention_mask marks {n} tokens, fewer than the {sq} queries: with causal attention the "
-                         f"queries are the mask's last seqlen_q tokens, so it must have at least {sq} columns")
     indices_k, cu_k, max_k = _packing(mask, n)
     k_packed, v_packed = (t[:, :n].reshape(b * n, *t.shape[2:]).index_select(0, indices_k) for t in (k, v))
     if options["causal"] and sq > 1:  # the queries are the last sq tokens of the mask

@@ -25,6 +25,7 @@ over S keys (S - T of them cached), query i sees keys j <= i + S - T.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
@@ -486,7 +487,7 @@ class GPT(nn.Module):
         against).
         """
         B, T = idx.shape
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if T + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds block_size "
@@ -511,7 +512,7 @@ def sample(logits, temperature: float = 1.0, top_k: int | None = None, generator
     """(B, vocab) logits -> (B, 1) token ids; temperature 0 is greedy (argmax)."""
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)

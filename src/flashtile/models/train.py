@@ -45,7 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--plot", metavar="FILE.png", help="write the loss curve here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.top_k is not None and args.top_k < 1:  # checked before training, not after it
+        p.error(f"argument --top-k: must be >= 1, got {args.top_k}")
+    if not args.temperature >= 0:
+        p.error(f"argument --temperature: must be >= 0 (0: greedy), got {args.temperature}")
+    return args
 
 
 def lr_at(step: int, args) -> float:

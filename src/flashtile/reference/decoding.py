@@ -108,7 +108,8 @@ def merge(out_partial, lse_partial, counter=None, sink=None):
     w_sum = w.sum(0)  # (*)
     O_s = torch.where(w[..., None] > 0, out_partial.to(dtype), 0.0)  # (S, *, d) empty splits dropped
     out = (w[..., None] * O_s).sum(0) / nonzero(w_sum)[..., None]  # (*, d)
-    lse = L_max + torch.log(w_sum)  # (*), log 0 = -inf where every split is empty
+    # -inf where every split is empty, through a where: log(0)'s gradient would be NaN there
+    lse = torch.where(w_sum > 0, L_max + torch.log(nonzero(w_sum)), float("-inf"))  # (*)
     if sink is not None:
         out, lse = add_sink(out, lse, sink)
     io.write(out, lse)
