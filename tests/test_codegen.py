@@ -172,16 +172,17 @@ def test_hopper_forward_compiles_with_a_sink(d):
     assert not report["wgmma_serialised"], report
 
 
-@pytest.mark.parametrize("page_size,split", [(0, False), (16, False), (16, True), (64, False)],
-                         ids=["contiguous", "page16", "page16-split", "page64"])
-def test_decoding_append_costs_the_loop_nothing(page_size, split):
+@pytest.mark.parametrize("page_size,flag", [(0, None), (16, None), (16, "--split"), (16, "--one-round"), (64, None)],
+                         ids=["contiguous", "page16", "page16-split", "page16-one-round", "page64"])
+def test_decoding_append_costs_the_loop_nothing(page_size, flag):
     """A decoding step that appends k/v (APPEND) compiles to the plain step's shared memory and
     registers: its new rows are written before the KV loop, which stays the plain one. Reading them
     inside the loop instead (a branch per tile, or a second phase of tiles) had cost Triton's
     pipelining: 102 KB of shared memory against 39 KB, or 150-212 registers against 84 at d=128,
     and +25% device time at Llama-3-8B's decoding shape (benchmarks/results/h100/NOTES.md). Also
-    with the one-page tiles of a launch that splits a 16-token-page cache."""
-    flags = ("--split",) if split else ()
+    with the one-page tiles of a launch that splits a 16-token-page cache and the 128-key tiles of
+    an unsplit one of one round."""
+    flags = (flag,) if flag else ()
     plain = memory_ops("decode", 128, str(page_size), *flags)
     append = memory_ops("decode", 128, str(page_size), "--append", *flags)
     assert plain["spill_bytes"] == append["spill_bytes"] == 0, (plain, append)
