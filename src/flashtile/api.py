@@ -402,6 +402,12 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> int:
     return s_new
 
 
+def _check_dtype(dtype) -> None:
+    """A cache's dtype (DecodePlan, KVCache, PagedKVCache): one the kernels take."""
+    if dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+
+
 def _check_no_aliased_rows(k_cache, v_cache) -> None:
     """A cache that takes appended keys may not hold one memory row for several cache rows (a
     stride of 0 in a dimension of size > 1, as expand() makes): one write would land in all."""
@@ -489,8 +495,7 @@ class DecodePlan:
         if not isinstance(cache_shape, (tuple, list)) or len(cache_shape) != 4:
             raise ValueError(f"cache_shape must be k_cache's shape (4 ints), got {cache_shape!r}")
         cache_shape = torch.Size(_checks.check_int(f"cache_shape[{i}]", n) for i, n in enumerate(cache_shape))
-        if dtype not in _KERNEL_DTYPES:
-            raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+        _check_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the tensors' device names its index
             device = torch.device("cuda", torch.cuda.current_device())

@@ -28,11 +28,6 @@ def _check_sizes(**sizes) -> None:
         _checks.check_int(name, n, least)
 
 
-def _check_dtype(dtype) -> None:
-    if dtype not in api._KERNEL_DTYPES:
-        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
-
-
 class _Cache:
     """What both layouts share: lengths on host and device, the step's plan, attend, advance.
     Subclasses provide the tensors and may allocate in _reserve."""
@@ -150,7 +145,7 @@ class KVCache(_Cache):
                  dtype=torch.float16, device="cpu"):
         _check_sizes(batch=(batch, 0), capacity=(capacity, 0), kv_heads=(kv_heads, 1), head_dim=(head_dim, 1),
                      num_layers=(num_layers, 1))
-        _check_dtype(dtype)
+        api._check_dtype(dtype)
         super().__init__(batch, capacity, device)
         shape = (num_layers, batch, capacity, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -180,7 +175,7 @@ class PagedKVCache(_Cache):
                      head_dim=(head_dim, 1), num_layers=(num_layers, 1))
         if max_seq_len is not None:
             _check_sizes(max_seq_len=(max_seq_len, 0))
-        _check_dtype(dtype)
+        api._check_dtype(dtype)
         if page_size % 16 != 0:
             raise ValueError(f"page_size must be a multiple of 16, got {page_size}")
         max_blocks = -(-(max_seq_len or num_pages * page_size) // page_size)

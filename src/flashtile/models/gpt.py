@@ -38,6 +38,11 @@ from flashtile.kvcache import KVCache, PagedKVCache
 ATTENTION = ("flashtile", "sdpa", "eager")
 
 
+def _is_int(x) -> bool:
+    """An integer argument: an int or a numpy integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
@@ -56,7 +61,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
@@ -487,7 +492,7 @@ class GPT(nn.Module):
         against).
         """
         B, T = idx.shape
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if T + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds block_size "
@@ -512,7 +517,7 @@ def sample(logits, temperature: float = 1.0, top_k: int | None = None, generator
     """(B, vocab) logits -> (B, 1) token ids; temperature 0 is greedy (argmax)."""
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
