@@ -153,9 +153,13 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
 
 
 def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False,
-                            alibi: bool = False):
+                            alibi: bool = False, head_chunk: int | None = None):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
-    packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes)."""
+    packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes), its programs in
+    chunks of head_chunk (batch, K/V head) rows; by default as configs.hopper_backward_head_chunk
+    chooses for 8k tokens (4 at d=128 with a causal mask, else 1: the plain 3D grid)."""
+    if head_chunk is None:
+        head_chunk = 4 if causal and d == 128 else 1
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_backward_tiles(d, dropout, softcap)
@@ -164,7 +168,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
                  HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap,
-                 HAS_ALIBI=alibi)
+                 HAS_ALIBI=alibi, HEAD_CHUNK=head_chunk)
     if not alibi:
         const["Slopes"] = None
     if not dropout:

@@ -157,6 +157,21 @@ def test_backward_dispatch(sm90, monkeypatch):
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=4096) is None
 
 
+def test_backward_head_chunks_fit_the_l2(monkeypatch):
+    """The Hopper backward's launch order (configs.hopper_backward_head_chunk): at d=128 with a right
+    bound on the keys, as many (batch, K/V head) rows per chunk, a power of two, as have their Q,
+    dO and fp32 dQ (8 bytes a row and column) in the L2 together, at most 64; one row at a time
+    (the plain grid) elsewhere."""
+    monkeypatch.setattr(configs, "l2_bytes", lambda device: 50 * 2**20)
+    chunk = configs.hopper_backward_head_chunk.__wrapped__  # past its cache, which may hold the real L2's answers
+    seqlens = (128, 1024, 2048, 4096, 8192, 16384, 65536)
+    assert [chunk(128, s, 1, True, CUDA) for s in seqlens] == [64, 32, 16, 8, 4, 2, 1]
+    assert chunk(128, 4096, 4, True, CUDA) == 2  # a K/V head's row carries its 4 query heads
+    assert chunk(128, 10**7, 1, True, CUDA) == 1
+    assert chunk(128, 4096, 1, False, CUDA) == chunk(64, 4096, 1, True, CUDA) == chunk(256, 4096, 1, True, CUDA) == 1
+    assert chunk(128, 4096, 1, True, torch.device("cpu")) == 1
+
+
 @pytest.mark.parametrize("refused", ["none", "negative scale", "paged varlen", "expanded k", "misaligned dk"])
 def test_backward_supports(refused):
     from flashtile.ops import backward

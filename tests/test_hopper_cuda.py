@@ -194,6 +194,17 @@ def test_backward_long(hopper_backward_launches, d):
     assert hopper_backward_launches
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_backward_head_chunks(hopper_backward_launches, monkeypatch, chunk):
+    """The causal backward's programs launched in chunks of (batch, K/V head) rows
+    (configs.hopper_backward_head_chunk, head_chunked_order): 3 x 5 = 15 rows in chunks of 4 (the
+    last one partial), all in one chunk, and one row at a time (the 3D grid); every row's
+    gradients against the oracle."""
+    monkeypatch.setattr(configs, "hopper_backward_head_chunk", lambda *a: chunk)
+    check_prefill(3, 700, 900, 10, 5, 128, torch.bfloat16, "cuda", causal=True)
+    assert hopper_backward_launches
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.17, 0.5], ids=["", "dropout", "dropout-half"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

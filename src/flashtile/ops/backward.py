@@ -961,8 +961,10 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     HAS_ALIBI: gl.constexpr):
-    """Grid: (key blocks, K/V heads, batch); key block 0 first, the longest with a causal mask.
+                     HAS_ALIBI: gl.constexpr, HEAD_CHUNK: gl.constexpr):
+    """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask; or
+    with HEAD_CHUNK > 1 (configs.hopper_backward_head_chunk) a 1D grid of the same programs in
+    head_chunked_order, key block 0 of HEAD_CHUNK (batch, K/V head) rows first.
     A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
     share (configs.hopper_backward_split_d). rows_pad: rows per head of the LSE and delta buffers
     (a multiple of the Q block). IS_VARLEN: a packed batch (the descriptors over (1, total, heads,
@@ -977,11 +979,12 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
     BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
-    start_n = gl.program_id(0) * BLOCK_N
-    # grid (key blocks, kv heads, batch). b and hk by div / mod of one index, as when the grid was
-    # (key blocks, batch x kv heads): reading them off the z and y axes measured 407 against 414
-    # TFLOP/s at d=64 causal 16k (benchmarks/results/h100/NOTES.md, "Batch x heads past 65535")
-    bhk = gl.program_id(2) * nheads_k + gl.program_id(1)
+    n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
+    pid, bhk = head_chunked_order(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK)
+    start_n = pid * BLOCK_N
+    # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):
+    # reading them off the z and y axes measured 407 against 414 TFLOP/s at d=64 causal 16k
+    # (benchmarks/results/h100/NOTES.md, "Batch x heads past 65535")
     b = bhk // nheads_k
     hk = bhk % nheads_k
     group = nheads // nheads_k
@@ -1117,7 +1120,9 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     qk_scale, softcap2 = kernel_scale(softmax_scale, softcap)
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
-    launch(_bwd_kernel_sm90, (cdiv(sk, cfg.block_n), hk, b),
+    chunk = configs.hopper_backward_head_chunk(d, sq, h // hk, right is not None, q.device)
+    n_kb = cdiv(sk, cfg.block_n)
+    launch(_bwd_kernel_sm90, (n_kb, hk, b) if chunk == 1 else (n_kb * hk * b, 1, 1),
            (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
             box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes),
            (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale * ds_unit, threshold,
@@ -1125,7 +1130,8 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
            NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(d),
            SPLIT_D=split, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
-           IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None)
+           IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None,
+           HEAD_CHUNK=chunk)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale * ds_unit, out=dq)
     elif dq_acc is not dq:

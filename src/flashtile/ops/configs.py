@@ -191,6 +191,30 @@ def hopper_backward_defer_dq(d: int) -> bool:
     return d == 64
 
 
+HOPPER_BACKWARD_MAX_HEAD_CHUNK = 64  # bounds the compiled variants (HEAD_CHUNK is a constexpr)
+
+
+@functools.lru_cache(maxsize=1024)
+def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, device: torch.device) -> int:
+    """(batch, K/V head) rows whose programs the Hopper backward interleaves in launch order
+    (ops._common.head_chunked_order): key block 0 of each row of a chunk first, then key block 1,
+    and so on. With one row at a time (1), the grid's order, the longest programs of a causal mask
+    (key block 0) of the last rows start last and leave SMs idle at the end; a chunk of rows runs
+    its long programs first. The chunk is the most rows, a power of two, whose Q, dO (16-bit) and
+    fp32 dQ buffer fit the L2 cache together, so the rows streaming past the resident programs stay
+    there. causal: the keys have a right bound (a causal mask, a window's right side), so the key
+    blocks' programs differ in length. Measured (ab_bwd_head_chunk.txt, two alternating rounds,
+    backward TFLOP/s one row at a time -> chunks): d=128 causal 2k 376 / 379 -> 390 / 388, 4k 447 /
+    434 -> 467 / 458, 8k 484 / 484 -> 499 / 505, 1k and 16k level (281 / 282 -> 282 / 283, 537 /
+    536 -> 539 / 534), 4k with dropout 0.1 403 / 401 -> 422 / 421; d=64 causal (4k, 16k) and
+    d=128 non-causal (8k) level. So d=128 with a right bound only: elsewhere the chunk's index
+    arithmetic would add spills for nothing (tests/test_codegen.py)."""
+    if device.type != "cuda" or d != 128 or not causal:
+        return 1
+    fit = l2_bytes(device) // max(seqlen_q * group * d * (2 + 2 + 4), 1)
+    return min(HOPPER_BACKWARD_MAX_HEAD_CHUNK, 1 << (fit.bit_length() - 1)) if fit >= 1 else 1
+
+
 def delta_config(d: int, device: torch.device) -> BlockConfig:
     """The rowsum(dO * O) preprocess is a pure stream: big row blocks, no pipelining needed."""
     if device.type != "cuda":
@@ -300,6 +324,7 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 8  # >= 8 key tiles per split (see decode_num_spli
 DECODE_FUSED_MAX_SPLITS = 8  # the split kernel merges up to this many splits itself (decode_fuse_combine)
 DECODE_MERGE_UNROLL = 4  # splits whose partial tiles the fused merge loads at once
 NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same split choices
+NOMINAL_L2_BYTES = 50 * 2**20  # an H100's L2 cache
 
 
 def capability(device: torch.device) -> tuple:
@@ -322,6 +347,14 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return NOMINAL_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 cache in bytes (NOMINAL_L2_BYTES off the GPU)."""
+    if device.type != "cuda":
+        return NOMINAL_L2_BYTES
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 @functools.lru_cache(maxsize=None)  # once per shape: a decoding step spends its host time here otherwise
