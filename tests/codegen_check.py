@@ -118,7 +118,8 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
                            softcap: bool = False, alibi: bool = False):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores; alibi:
-    ALiBi slopes)."""
+    ALiBi slopes), its tiles in chunks of heads where configs.hopper_forward_head_chunk takes them
+    (d=64, causal)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_forward_tiles(d)
@@ -127,7 +128,8 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
                  HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
-                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi)
+                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
+                 HEAD_CHUNKED=causal and d == 64)
     if not alibi:
         const["Slopes"] = None
     if not dropout:

@@ -172,6 +172,20 @@ def test_backward_head_chunks_fit_the_l2(monkeypatch):
     assert chunk(128, 4096, 1, True, torch.device("cpu")) == 1
 
 
+def test_forward_head_chunks_fit_the_l2(monkeypatch):
+    """The Hopper forward's tile order (configs.hopper_forward_head_chunk): at d=64 with a right bound
+    on the keys, as many query heads per chunk, a power of two, as have their K and V (4 bytes a key
+    and column, shared by a K/V head's query heads) in the L2 together, at most 64; one head at a time
+    elsewhere."""
+    monkeypatch.setattr(configs, "l2_bytes", lambda device: 50 * 2**20)
+    chunk = configs.hopper_forward_head_chunk.__wrapped__
+    seqlens = (1024, 4096, 8192, 16384, 262144)
+    assert [chunk(64, s, 1, True, CUDA) for s in seqlens] == [64, 32, 16, 8, 1]
+    assert chunk(64, 16384, 4, True, CUDA) == 32  # four query heads share a K/V head's bytes
+    assert chunk(64, 4096, 1, False, CUDA) == chunk(128, 4096, 1, True, CUDA) == 1
+    assert chunk(64, 4096, 1, True, torch.device("cpu")) == 1
+
+
 @pytest.mark.parametrize("refused", ["none", "negative scale", "paged varlen", "expanded k", "misaligned dk"])
 def test_backward_supports(refused):
     from flashtile.ops import backward

@@ -72,6 +72,19 @@ def test_few_programs_many_tiles(hopper_launches, monkeypatch, case):
     assert hopper_launches
 
 
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_forward_head_chunks(hopper_launches, monkeypatch, chunk, d):
+    """The forward's tiles in chunks of query heads (configs.hopper_forward_head_chunk, chunked_order):
+    3 x 10 = 30 heads in chunks of 4 (the last one partial), all in one chunk, and one head at a
+    time, under a causal mask and a window's right side; every head's output and LSE against the
+    oracle."""
+    monkeypatch.setattr(configs, "hopper_forward_head_chunk", lambda *a: chunk)
+    check_prefill(3, 700, 900, 10, 5, d, torch.bfloat16, "cuda", causal=True, backward=False)
+    check_prefill(3, 700, 900, 10, 5, d, torch.bfloat16, "cuda", window=(300, 40), backward=False)
+    assert hopper_launches
+
+
 def test_strided_out(hopper_launches):
     """out a view into a wider buffer: the epilogue's pointer stores take its strides."""
     q, k, v = make_qkv(2, 600, 600, 4, 2, 128, torch.bfloat16, "cuda")

@@ -137,12 +137,19 @@ def head_chunked_order(n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
     """
     if HEAD_CHUNK == 1:
         return tl.program_id(0), tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
-    lin = tl.program_id(0)
-    per_chunk = HEAD_CHUNK * n_programs
-    chunk = lin // per_chunk
-    r = lin - chunk * per_chunk
-    heads_here = tl.minimum(HEAD_CHUNK, n_heads - chunk * HEAD_CHUNK)
-    return r // heads_here, chunk * HEAD_CHUNK + r % heads_here
+    return chunked_order(tl.program_id(0), n_programs, n_heads, HEAD_CHUNK)
+
+
+@triton.jit
+def chunked_order(lin, n_programs, n_heads, chunk):
+    """(program, head) of item lin of n_programs x n_heads items taken in chunks of `chunk` heads:
+    program 0 of each head of the chunk, then program 1 of each, and so on (head_chunked_order's
+    1D order; chunk = 1 is one head after the other)."""
+    per_chunk = chunk * n_programs
+    c = lin // per_chunk
+    r = lin - c * per_chunk
+    heads_here = tl.minimum(chunk, n_heads - c * chunk)
+    return r // heads_here, c * chunk + r % heads_here
 
 
 @triton.jit

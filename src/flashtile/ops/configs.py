@@ -116,6 +116,32 @@ def hopper_forward_consumers(d: int) -> int:
     return 3 if d == 64 else 2
 
 
+HOPPER_FORWARD_MAX_HEAD_CHUNK = 64  # a runtime argument; past a wave of tiles it changes nothing
+
+
+@functools.lru_cache(maxsize=1024)
+def hopper_forward_head_chunk(d: int, seqlen_k: int, group: int, causal: bool, device: torch.device) -> int:
+    """Query heads (rows b * h + head) whose tiles the Hopper forward takes interleaved
+    (ops._common.chunked_order): the last row block of each head of a chunk first (under a right
+    bound it sees the most keys), then the one before it of each, and so on. One head at a time
+    (1), the launch order before, starts the last heads' longest tiles last and leaves SMs idle at
+    the end. The chunk is the most query heads, a power of two, whose K and V (shared by `group`
+    query heads) fit the L2 cache together (FlashAttention-4's causal sm_90 forward orders its
+    tiles so). causal: the keys have a right bound (a causal mask, a window's right side); without
+    one every tile of a head is as long, and the order stays. Measured (ab_fwd_head_chunk.txt,
+    forward TFLOP/s one head at a time -> chunks, alternating): d=64 causal 4k 401 / 406 / 396 ->
+    417 / 412 / 412 and again 412 / 411 -> 413 / 418, 8k 459 / 433 / 435 -> 434 / 460 / 451 and
+    451 / 450 -> 452 / 453, 16k 468 / 468 / 453 -> 468 / 472 / 455; d=128 causal 4k 535 / 525 ->
+    523 / 523, 8k 575 / 580 -> 558 / 572. So d=64 only (HEAD_CHUNKED is a constexpr: the other
+    kernels keep their index arithmetic and spills)."""
+    if device.type != "cuda" or d != 64 or not causal:
+        return 1
+    fit = l2_bytes(device) * group // max(seqlen_k * d * 4, 1)
+    return min(HOPPER_FORWARD_MAX_HEAD_CHUNK, 1 << (fit.bit_length() - 1)) if fit >= 1 else 1
+
+
+
+
 def hopper_forward_q_stages(d: int) -> int:
     """Q buffers of the Hopper forward: two let the next tile's Q come in while this tile runs;
     at d=256 one (two Q tiles of 64 KB beside the 128 KB K/V ring pass the SM's 227 KB)."""

@@ -36,7 +36,7 @@ from flashtile.ops._common import (LN2, alibi_fits_sm90, alibi_sm90, alibi_strid
                                    capped_sm90, dot_precision, dropout_apply_sm90, dropout_keep, dropout_keep_bits_sm90,
                                    dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale,
                                    load_tile_pair, lse_row_base, page_of, q_block_of, q_block_program, scores_log2,
-                                   seq_bounds, softcap_scales, visible)
+                                   seq_bounds, softcap_scales, visible, chunked_order)
 
 
 @triton.jit
@@ -315,18 +315,25 @@ def hopper_forward_maxnreg(consumers: int) -> int:
 
 
 @gluon.jit
-def _fwd_sm90_tile(tile, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+def _fwd_sm90_tile(tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK,
+                   total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   HAS_SEQUSED: gl.constexpr):
     """Tile `tile` of the persistent grid: (start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start,
     sq_b, k_start, sk_b). Tiles go in the Triton kernel's launch order (row blocks, then heads, then
-    batch), so the programs working at once share a few heads' K/V in L2; under a right-bounded mask
-    a head's last row block, which sees the most keys, comes first (q_block_program's HEAVY_LAST).
+    batch), so the programs working at once share a few heads' K/V in L2, or with HEAD_CHUNKED in
+    chunks of head_chunk heads (b * nheads + h; configs.hopper_forward_head_chunk), row block after
+    row block (chunked_order); under a right-bounded mask a head's last row block, which sees
+    the most keys, comes first (q_block_program's HEAVY_LAST).
     IS_VARLEN: b is a sequence of the packed batch, its rows q_start .. q_start + sq_b - 1 of q and
     keys k_start .. of k (seq_bounds); n_m covers the longest, and a tile past its sequence's end has
     no block. A tile's last rows and keys may run into the next sequence's: the keys are masked
     (block_range puts the block past sk_b among the masked ones), the rows are never stored."""
-    start_m, bh, b, h, hk = q_block_of(tile % n_m, n_m, tile // n_m, nheads, group, BLOCK_M, HAS_RIGHT)
+    if HEAD_CHUNKED:
+        pid_m, bh = chunked_order(tile, n_m, n_tiles // n_m, head_chunk)
+    else:
+        pid_m, bh = tile % n_m, tile // n_m
+    start_m, bh, b, h, hk = q_block_of(pid_m, n_m, bh, nheads, group, BLOCK_M, HAS_RIGHT)
     q_start, sq_b, k_start, sk_b = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN,
                                               HAS_SEQUSED, False)
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk_b, sk_b - sq_b, left, right, HAS_LEFT,
@@ -370,9 +377,11 @@ def _fwd_sm90_next(tile_ids, tile_ready, tile_free, n):
 
 @gluon.jit
 def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                   k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                   CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   PERSISTENT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr):
+                   k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m, nheads, group, sq, sk,
+                   left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr, PERSISTENT: gl.constexpr,
+                   IS_VARLEN: gl.constexpr,
+                   HAS_SEQUSED: gl.constexpr):
     """Loader partition, tile after tile: both Q halves once both consumers are done with the
     previous tile's (its last S is computed; its last P V and output run under this copy), then
     K_j and V_j into ring slot it % NUM_STAGES once both consumers have freed it (`it` counts K/V
@@ -391,8 +400,8 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
     tile = gl.program_id(0)
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
-            tile, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
-            CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED)
+            tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q,
+            total_k, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
         tb = 0 if IS_VARLEN else b
         if n_blocks > 0:
             # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
@@ -470,12 +479,13 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 
 @gluon.jit
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                      tile_ids, tile_ready, tile_free, half, n_tiles, n_m, nheads, group, sq, sk, left, right,
-                      qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ,
+                      tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left,
+                      right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ,
                       CuSeqK, SeqUsedK, total_q, total_k, Sink, Slopes, stride_slope_b, stride_slope_h,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
-                      HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                      IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr,
+                      PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                      ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+                      HAS_SINK: gl.constexpr,
                       HAS_ALIBI: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
@@ -515,8 +525,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
     tile = gl.program_id(0)
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
-            tile, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
-            CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED)
+            tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q,
+            total_k, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
         diag_offset = sk_b - sq_b
         row0 = start_m + half * HALF_M
         if HAS_ALIBI:
@@ -627,22 +637,24 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
         n += 1
 
 
-@gluon.jit(do_not_specialize=["n_tiles", "n_m", "sq", "sk", "left", "right", "total_q", "total_k", "threshold"])
+@gluon.jit(do_not_specialize=["n_tiles", "head_chunk", "n_m", "sq", "sk", "left", "right", "total_q", "total_k",
+                              "threshold"])
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes,
-                     stride_ob, stride_om, stride_oh, n_tiles, n_m, nheads, group, sq, sk, left, right, qk_scale,
-                     softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h,
+                     stride_ob, stride_om, stride_oh, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right,
+                     qk_scale, softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
-                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                     HEAD_CHUNKED: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
-    (_fwd_sm90_tile), taking the next from a counter (_fwd_sm90_fetch), so one tile's output
-    leaves while the next one's Q and K/V come in. IS_VARLEN: the batch is packed (q_desc, k_desc
-    and v_desc over (1, total, heads, d) views), `batch` counts its sequences and sq / sk are the
-    longest ones (the Triton kernel's flag). HAS_SINK: Sink, the (h,) attention sink, as there.
-    HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_ALIBI:
-    Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. Pointers and descriptors come
-    before the scalars, as ops._launch.launch passes them."""
+    (_fwd_sm90_tile; with HEAD_CHUNKED in chunks of head_chunk heads), taking the next from a
+    counter (_fwd_sm90_fetch), so one tile's output leaves while the next one's Q and K/V come in.
+    IS_VARLEN: the batch is packed (q_desc, k_desc and v_desc over (1, total, heads, d) views), `batch`
+    counts its sequences and sq / sk are the longest ones (the Triton kernel's flag). HAS_SINK: Sink,
+    the (h,) attention sink, as there. HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are
+    softcap_scales'). HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. Pointers
+    and descriptors come before the scalars, as ops._launch.launch passes them."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -684,51 +696,51 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
+                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
                                  HAS_ALIBI)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
+                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
                                  HAS_ALIBI)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, n_m, nheads, group,
+                                 v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
                                  HAS_ALIBI)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
-                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
-                              sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
-                              PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
+                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
+                              nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
+                              HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
         ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, n_m, nheads, group,
+                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
                                  HAS_ALIBI)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, n_m, nheads, group,
+                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, PERSISTENT,
+                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
                                  HAS_ALIBI)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
-                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, n_m, nheads, group,
-                              sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT, HAS_RIGHT,
-                              PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
+                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
+                              nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
+                              HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
@@ -814,13 +826,14 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     consumers = cfg.block_m // 64  # 64 rows a consumer warpgroup (configs.hopper_forward_tiles)
     if consumers not in (2, 3):
         raise ValueError(f"the Hopper forward runs 128- or 192-row tiles, got block_m={cfg.block_m}")
+    chunk = configs.hopper_forward_head_chunk(d, sk, h // hk, right is not None, q.device)
     launch(_fwd_kernel_sm90, grid,
            (out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
             box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3], sink, alibi_slopes),
-           (*out_strides[:3], n_tiles, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap, threshold,
-            dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
+           (*out_strides[:3], n_tiles, chunk, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
+            threshold, dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=hopper_forward_maxnreg(consumers), HAS_LEFT=left is not None,
            HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(d),
            PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers,
            IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
-           HAS_ALIBI=alibi_slopes is not None)
+           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunk > 1)
