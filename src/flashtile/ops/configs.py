@@ -116,7 +116,14 @@ def hopper_forward_consumers(d: int) -> int:
     return 3 if d == 64 else 2
 
 
-HOPPER_FORWARD_MAX_HEAD_CHUNK = 64  # a runtime argument; past a wave of tiles it changes nothing
+HEAD_CHUNK_MAX = 64  # bounds the backward's compiled variants (a constexpr there); past a wave it orders nothing
+
+
+def l2_head_chunk(bytes_per_head: int, device: torch.device) -> int:
+    """The most heads, a power of two up to HEAD_CHUNK_MAX, whose bytes_per_head fit the L2 cache
+    together (at least 1): the chunks of the Hopper kernels' launch orders."""
+    fit = l2_bytes(device) // max(bytes_per_head, 1)
+    return min(HEAD_CHUNK_MAX, 1 << (fit.bit_length() - 1)) if fit >= 1 else 1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -136,10 +143,7 @@ def hopper_forward_head_chunk(d: int, seqlen_k: int, group: int, causal: bool, d
     kernels keep their index arithmetic and spills)."""
     if device.type != "cuda" or d != 64 or not causal:
         return 1
-    fit = l2_bytes(device) * group // max(seqlen_k * d * 4, 1)
-    return min(HOPPER_FORWARD_MAX_HEAD_CHUNK, 1 << (fit.bit_length() - 1)) if fit >= 1 else 1
-
-
+    return l2_head_chunk(seqlen_k * d * 4 // group, device)
 
 
 def hopper_forward_q_stages(d: int) -> int:
@@ -217,9 +221,6 @@ def hopper_backward_defer_dq(d: int) -> bool:
     return d == 64
 
 
-HOPPER_BACKWARD_MAX_HEAD_CHUNK = 64  # bounds the compiled variants (HEAD_CHUNK is a constexpr)
-
-
 @functools.lru_cache(maxsize=1024)
 def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, device: torch.device) -> int:
     """(batch, K/V head) rows whose programs the Hopper backward interleaves in launch order
@@ -237,8 +238,7 @@ def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, 
     arithmetic would add spills for nothing (tests/test_codegen.py)."""
     if device.type != "cuda" or d != 128 or not causal:
         return 1
-    fit = l2_bytes(device) // max(seqlen_q * group * d * (2 + 2 + 4), 1)
-    return min(HOPPER_BACKWARD_MAX_HEAD_CHUNK, 1 << (fit.bit_length() - 1)) if fit >= 1 else 1
+    return l2_head_chunk(seqlen_q * group * d * (2 + 2 + 4), device)
 
 
 def delta_config(d: int, device: torch.device) -> BlockConfig:
