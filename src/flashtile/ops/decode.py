@@ -359,15 +359,16 @@ def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask,
             s = s0 + t
             lse = tl.load(LseP + s.to(tl.int64) * stride_ls, mask=row_ok & (s < num_splits), other=float("-inf"),
                           cache_modifier=".cg")
-            live = lse > float("-inf")
-            # an empty split's output is never read: it may be anything, NaN included
-            o = tl.load(OutP + s.to(tl.int64) * stride_s, mask=row_mask & live[:, None], other=0.0,
+            # issued beside the LSE load, not after it: an empty split's tile (anything, NaN included)
+            # is loaded too, and dropped by the select below
+            o = tl.load(OutP + s.to(tl.int64) * stride_s, mask=row_mask & (s < num_splits), other=0.0,
                         cache_modifier=".cg")
+            live = lse > float("-inf")
             m_new = tl.maximum(m, lse)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
             w = tl.exp2((lse - m_sub) * LOG2E)
             alpha = tl.exp2((m - m_sub) * LOG2E)
-            acc = acc * alpha[:, None] + w[:, None] * o
+            acc = acc * alpha[:, None] + tl.where(live[:, None], w[:, None] * o, 0.0)
             l = l * alpha + w
             m = m_new
     empty = l == 0.0
@@ -421,10 +422,11 @@ def _combine_kernel(
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp2((lse - m_sub) * LOG2E)  # (BLOCK_S,), 0 for empty splits
         alpha = tl.exp2((m - m_sub) * LOG2E)
-        # an empty split's output is never read: it may be anything, NaN included
+        # issued beside the LSE load, not after it: an empty split's row (anything, NaN included)
+        # is loaded too, and dropped by the select below
         o = tl.load(OutP + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                    mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+                    mask=(offs_s < num_splits)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(tl.where(live[:, None], w[:, None] * o, 0.0), 0)
         l = l * alpha + tl.sum(w, 0)
         m = m_new
 
