@@ -1,5 +1,6 @@
 """The public prefill API on CPU: validation, dispatch, packed layouts, SDPA semantics, compile."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,7 +34,7 @@ def test_bad_inputs_name_the_argument(args, match, exc):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(window_size=(-2, 0)), "window_size left"),
+    (dict(window_size=(0.5, 0)), "window_size left must be an int"),
     (dict(window_size=5), "window_size must be a pair"),
     (dict(softcap=-1.0), "softcap"),
     (dict(softcap=float("nan")), "softcap must be a finite number"),
@@ -46,13 +47,29 @@ def test_bad_inputs_name_the_argument(args, match, exc):
     (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must have shape"),
     (dict(dropout_p=1.5), "dropout_p must be in"),
     (dict(dropout_p="0.1"), "dropout_p must be a real number"),
-    (dict(causal="False"), "causal must be a bool, got str 'False'"),
-    (dict(causal=1), "causal must be a bool, got int"),
-    (dict(deterministic="no"), "deterministic must be a bool, got str"),
+    (dict(causal="False"), "causal must be a bool or 0 / 1, got str 'False'"),
+    (dict(causal=2), "causal must be a bool or 0 / 1, got int 2"),
+    (dict(causal=0.5), "causal must be a bool or 0 / 1, got float"),
+    (dict(deterministic="no"), "deterministic must be a bool or 0 / 1, got str"),
 ])
 def test_bad_options(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         flashtile.flash_attn_func(*qkv(), **kwargs)
+
+
+def test_flash_attn_forms_of_flags_and_windows():
+    """As flash-attn takes them: its flags 0 / 1 (its torch.library schemas accept ints) and a
+    window side of any negative value, which its C++ reads as unbounded. Same results, bit for bit,
+    as True / False and -1."""
+    q, k, v = qkv(sq=24, sk=24)
+    with api.use_backend("reference"):
+        want = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=False)
+        for causal, window, deterministic in ((1, (-1, -1), 0), (np.int64(1), (-5, -1), np.bool_(False)),
+                                              (True, torch.tensor([-3, -7]), 0)):
+            got = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, deterministic=deterministic)
+            assert torch.equal(got, want)
+        local = flashtile.flash_attn_func(q, k, v, causal=0, window_size=[-2, 3])
+        assert torch.equal(local, flashtile.flash_attn_func(q, k, v, causal=False, window_size=(-1, 3)))
 
 
 @pytest.mark.parametrize("case", ["float64", "value-head-dim", "head-dim-300", "key-batch-1", "query-batch-1",

@@ -103,10 +103,10 @@ ERRORS = {
     "rotary-short": (_call(**_rotary(n=5)), ValueError, "reach position 5"),
     "num-splits": (_call(num_splits=-1), ValueError, "num_splits"),
     "num-splits-float": (_call(num_splits=2.0), TypeError, "num_splits must be an int"),
-    "window": (_call(window_size=(-2, 0)), ValueError, "window_size"),
-    "causal-str": (_call(causal="False"), TypeError, "causal must be a bool, got str 'False'"),
-    "rotary-interleaved-int": (_call(**_rotary(), rotary_interleaved=0), TypeError,
-                               "rotary_interleaved must be a bool"),
+    "window": (_call(window_size=(-1, 0, 1)), ValueError, "window_size must be a pair"),
+    "causal-str": (_call(causal="False"), TypeError, "causal must be a bool or 0 / 1, got str 'False'"),
+    "rotary-interleaved-int": (_call(**_rotary(), rotary_interleaved=2), TypeError,
+                               "rotary_interleaved must be a bool or 0 / 1"),
     "softcap": (_call(softcap=-1.0), ValueError, "softcap"),
     "alibi": (_call(alibi_slopes=torch.rand(3)), ValueError, "alibi_slopes must have shape"),
 }
@@ -252,13 +252,13 @@ def test_a_window_of_tensors_written_in_place_is_planned_again():
 
 
 def test_a_cached_plan_does_not_lift_the_type_checks():
-    """Plain values are keyed with their types: causal=1 (or num_splits=2.0) is refused after a
+    """Plain values are keyed with their types: causal=2 (or num_splits=2.0) is refused after a
     call with causal=True (num_splits=2) planned, as it is on a cold cache."""
     args = _call(k=None, v=None)
     with api.use_backend("reference"):
         flash_attn_with_kvcache(**args, causal=True, num_splits=2, window_size=(3, 0))
-        with pytest.raises(TypeError, match="causal must be a bool, got int"):
-            flash_attn_with_kvcache(**args, causal=1, num_splits=2, window_size=(3, 0))
+        with pytest.raises(TypeError, match="causal must be a bool or 0 / 1, got int 2"):
+            flash_attn_with_kvcache(**args, causal=2, num_splits=2, window_size=(3, 0))
         with pytest.raises(TypeError, match="num_splits must be an int, got float"):
             flash_attn_with_kvcache(**args, causal=True, num_splits=2.0, window_size=(3, 0))
         with pytest.raises(TypeError, match="window_size left must be an int, got float"):

@@ -82,21 +82,27 @@ def check_int(name: str, x, minimum: int = 0) -> int:
     return x
 
 
-def check_flag(name: str, x) -> bool:
-    """A boolean argument: True, False or a numpy bool. Anything else is refused rather than read
-    by its truth value ("False" and 0.5 are true), as flash-attn's typed bool parameters refuse it."""
+def check_flag(name: str, x, ints: bool = False) -> bool:
+    """A boolean argument: True, False or a numpy bool; with ints (flash-attn's flags: its
+    torch.library schemas, and pybind11 before them, take causal=1) also the integers 0 and 1.
+    Anything else is refused rather than read by its truth value ("False", 0.5 and 2 are true,
+    None false), as torch's own bool parameters (SDPA's is_causal) refuse even 1."""
     if type(x) is bool:
         return x
     if isinstance(x, np.bool_):
         return bool(x)
-    raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    if ints and isinstance(x, (int, np.integer)) and x in (0, 1):
+        return bool(x)
+    allowed = "a bool or 0 / 1" if ints else "a bool"
+    raise TypeError(f"{name} must be {allowed}, got {type(x).__name__} {x!r}")
 
 
 def check_window(window_size, causal: bool) -> tuple[int, int]:
-    """Normalise (left, right): -1 means unbounded; causal (a bool, check_flag) forces right = 0. A
-    tuple, a list or a 2-element tensor or numpy array of ints, as flash-attn accepts."""
+    """Normalise (left, right): a negative side is unbounded (-1, as flash-attn's C++ reads any
+    negative value); causal (check_flag, 0 / 1 included) forces right = 0. A tuple, a list or a
+    2-element tensor or numpy array of ints, as flash-attn accepts."""
     if type(causal) is not bool:
-        causal = check_flag("causal", causal)
+        causal = check_flag("causal", causal, ints=True)
     if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
             and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1:
         return window_size[0], (0 if causal else window_size[1])  # the common case, on every call's host path
@@ -109,7 +115,8 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
         window_size = window_size.flatten()
     elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    left, right = (check_int(f"window_size {side}", x, -1) for side, x in zip(("left", "right"), window_size))
+    left, right = (max(check_int(f"window_size {side}", x, -math.inf), -1)
+                   for side, x in zip(("left", "right"), window_size))
     if causal:
         right = 0
     return left, right

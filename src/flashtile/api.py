@@ -81,7 +81,7 @@ def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=
     reproduces a run; reference.dropout.draw_rng). A paged k/v that needs gradients is gathered
     into contiguous keys first (a differentiable index: pages shared by sequences sum their
     gradients), since the backward kernels read contiguous k/v."""
-    deterministic = _checks.check_flag("deterministic", deterministic)
+    deterministic = _checks.check_flag("deterministic", deterministic, ints=True)
     backend = backend_for(q)
     if varlen is not None and varlen.block_table is not None and torch.is_grad_enabled() and \
             any(t.requires_grad for t in (q, k, v)):
@@ -574,8 +574,8 @@ class DecodePlan:
                     raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
 
         scale = _checks.default_scale(softmax_scale, d)
-        causal = _checks.check_flag("causal", causal)
-        rotary_interleaved = _checks.check_flag("rotary_interleaved", rotary_interleaved)
+        causal = _checks.check_flag("causal", causal, ints=True)
+        rotary_interleaved = _checks.check_flag("rotary_interleaved", rotary_interleaved, ints=True)
         left, right = _checks.check_window(window_size, causal)
         softcap = _checks.check_softcap(softcap)
         _checks.check_alibi(alibi_slopes, b, h, device)
