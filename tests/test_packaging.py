@@ -93,8 +93,11 @@ def test_wheel_installs_and_imports(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     bin_dir = venv / ("Scripts" if os.name == "nt" else "bin")
     python = bin_dir / "python"
-    result = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)],
-                            capture_output=True, text=True, timeout=300)
+    # neither the repository on PYTHONPATH nor an install of it in the system site-packages may
+    # stand in for the wheel: pip would take either as flashtile already installed
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    result = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--quiet",
+                             str(wheel)], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     code = f"""
 import importlib, pkgutil, sys
@@ -112,7 +115,6 @@ from flashtile.reference import naive
 ref, _ = naive.attention(q, k, v, causal=True, compute_dtype=torch.float64)
 torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-6)
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     result = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, timeout=300,
                             cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
