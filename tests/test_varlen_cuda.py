@@ -36,6 +36,13 @@ def test_varlen_long_sequences():
     check_varlen(lens, lens, 2, 1, 128, torch.bfloat16, "cuda", causal=True)
 
 
+def test_varlen_32k():
+    """A 32k sequence packed with shorter ones, forward and backward: the float64 oracle is the tiled
+    FA2 reference (naive attention's float64 scores would take 8.6 GB a head)."""
+    lens = [32768, 8192, 1500]
+    check_varlen(lens, lens, 1, 1, 128, torch.bfloat16, "cuda", causal=True, tiled_oracle=True)
+
+
 def test_varlen_many_short_sequences():
     """1000 sequences of 1-64 tokens."""
     gen = torch.Generator().manual_seed(0)

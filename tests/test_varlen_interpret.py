@@ -6,7 +6,7 @@ import torch
 import flashtile
 from flashtile import api
 from flashtile.ops import configs
-from varlen_check import check_varlen, offsets, paged_copy
+from varlen_check import check_varlen, offsets, oracle, paged_copy
 
 pytestmark = pytest.mark.interpret
 
@@ -17,44 +17,63 @@ LENGTHS = {
     "single": ([50], [50]),
 }
 HEADS = {"mha": (2, 2), "gqa": (4, 2), "mqa": (3, 1)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@DTYPES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
 def test_varlen(lengths, causal, dtype):
     check_varlen(*lengths, 4, 2, 40, dtype, "cpu", causal=causal)
 
 
+@DTYPES
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-def test_varlen_heads(heads):
-    check_varlen([9, 31, 0, 16], [40, 31, 3, 16], *heads, 64, torch.float16, "cpu", causal=True)
+def test_varlen_heads(heads, dtype):
+    check_varlen([9, 31, 0, 16], [40, 31, 3, 16], *heads, 64, dtype, "cpu", causal=True)
 
 
+@DTYPES
 @pytest.mark.parametrize("window", [(5, 3), (0, 0), (7, -1), (-1, 4)], ids=str)
-def test_varlen_window(window):
-    check_varlen([20, 45, 1], [37, 30, 9], 2, 1, 32, torch.float32, "cpu", window=window)
+def test_varlen_window(window, dtype):
+    check_varlen([20, 45, 1], [37, 30, 9], 2, 1, 32, dtype, "cpu", window=window)
 
 
-def test_varlen_softcap_alibi():
-    check_varlen([23, 40, 5], [23, 51, 0], 4, 2, 48, torch.float32, "cpu", causal=True, softcap=1.5, alibi=True)
+@DTYPES
+def test_varlen_softcap_alibi(dtype):
+    check_varlen([23, 40, 5], [23, 51, 0], 4, 2, 48, dtype, "cpu", causal=True, softcap=1.5, alibi=True)
 
 
 @pytest.mark.parametrize("page_size,block_n", [(16, 16), (16, 32), (64, 16)],
                          ids=["page16-tile16", "page16-tile32", "page64-tile16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_paged_varlen(monkeypatch, page_size, block_n, causal):
+@DTYPES
+def test_paged_varlen(monkeypatch, page_size, block_n, causal, dtype):
     """Chunked prefill over a paged cache: queries are the last tokens of their sequence's keys,
     pages permuted, unused table slots -1. A tile inside one page reads one page index; a tile
     wider than the page (32 keys over 16-key pages) reads one per key."""
     monkeypatch.setattr(configs, "forward_config", lambda *a, **kw: configs.BlockConfig(16, block_n, 4, 1))
-    check_varlen([16, 3, 50, 0], [70, 3, 130, 20], 4, 2, 64, torch.float16, "cpu", causal=causal,
-                 page_size=page_size)
+    check_varlen([16, 3, 50, 0], [70, 3, 130, 20], 4, 2, 64, dtype, "cpu", causal=causal, page_size=page_size)
 
 
-def test_seqused_k():
+def test_tiled_oracle_is_the_oracle():
+    """The tiled FA2 reference that checks the 32k sequences on the GPU (varlen_check's tiled oracle)
+    gives the naive float64 oracle's outputs, LSE and gradients, masks, softcap, ALiBi and GQA
+    included, with sequences longer than its tile."""
+    lens_q, lens_k = [1100, 0, 7], [1300, 5, 7]
+    q, k, v = torch.randn(sum(lens_q), 4, 16), torch.randn(sum(lens_k), 2, 16), torch.randn(sum(lens_k), 2, 16)
+    dout = torch.randn_like(q)
+    kw = dict(softmax_scale=0.3, window_size=(600, 0), softcap=2.0, alibi_slopes=torch.rand(3, 4))
+    naive_ = oracle(q, k, v, lens_q, lens_k, lens_k, dout, **kw)
+    tiled = oracle(q, k, v, lens_q, lens_k, lens_k, dout, tiled=True, **kw)
+    for got, want in zip((tiled[0], tiled[1], *tiled[2]), (naive_[0], naive_[1], *naive_[2])):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@DTYPES
+def test_seqused_k(dtype):
     """Keys past seqused_k[b] are not attended and get zero gradients."""
-    check_varlen([12, 30, 7], [40, 30, 9], 4, 2, 32, torch.float32, "cpu", causal=True, seqused=[25, 30, 0])
+    check_varlen([12, 30, 7], [40, 30, 9], 4, 2, 32, dtype, "cpu", causal=True, seqused=[25, 30, 0])
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.interpret), "reference"])

@@ -12,7 +12,7 @@ import torch
 from flashtile import _checks
 from flashtile.ops.backward import attention_backward
 from flashtile.ops.forward import attention_forward
-from flashtile.reference import naive
+from flashtile.reference import fa2, naive
 from flashtile.reference.dropout import DropoutMask, draw_rng
 from flashtile.testing import assert_2x, poison
 
@@ -52,8 +52,26 @@ def fill_pages(pages_k, pages_v, k, v, lengths, table):
         start += n
 
 
-def oracle(q, k, v, lens_q, lens_k, used, dout=None, compute_dtype=torch.float64, dropout=None, **kw):
-    """Packed (out, lse) and, with dout, (dq, dk, dv) of naive attention run on each sequence.
+TILE = 1024  # the tiled oracle's blocks: a float64 tile of scores is 8 MB a head
+
+
+def _tiled(args, dout, opts):
+    """(out, lse, grads) of the tiled FA2 reference (reference.fa2) in opts' compute dtype: exact in
+    float64 like naive attention, in the memory of a tile instead of the whole score matrix (a 32k
+    sequence's S is 8.6 GB a head in float64)."""
+    dtype = opts.pop("compute_dtype")
+    if opts.pop("learnable_sink", None) is not None or "dropout_p" in opts:
+        raise NotImplementedError("the tiled oracle takes no sink or dropout")
+    q, k, v = (t.to(dtype) for t in args)
+    out, lse = fa2.forward(q, k, v, block_m=TILE, block_n=TILE, **opts)
+    if dout is None:
+        return out, lse, None
+    return out, lse, fa2.backward(dout.to(dtype), q, k, v, out, lse, block_m=TILE, block_n=TILE, **opts)
+
+
+def oracle(q, k, v, lens_q, lens_k, used, dout=None, compute_dtype=torch.float64, dropout=None, tiled=False, **kw):
+    """Packed (out, lse) and, with dout, (dq, dk, dv) of naive attention run on each sequence, or
+    with tiled of the tiled FA2 reference (_tiled; no sink or dropout).
 
     used: keys attended per sequence (seqused_k, or lens_k); keys past it get zero gradients.
     dropout: (p, rng) or None; kw: naive.attention's options; alibi_slopes may be (b, h)."""
@@ -71,12 +89,15 @@ def oracle(q, k, v, lens_q, lens_k, used, dout=None, compute_dtype=torch.float64
         if dropout is not None and dropout[0] > 0:
             opts.update(dropout_p=dropout[0],
                         dropout_mask=DropoutMask(dropout[0], dropout[1], h, [b]).full(n_q, n_used, q.device))
-        if n_q:
+        if n_q and tiled:
+            o, l, g = _tiled(args, None if dout is None else dout[None, q0:q0 + n_q], opts)
+        elif n_q:
             o, l = naive.attention(*args, **opts)
+            g = None if dout is None else naive.attention_backward(dout[None, q0:q0 + n_q], *args, **opts)
+        if n_q:
             out[q0:q0 + n_q] = o[0]
             lse[:, q0:q0 + n_q] = l[0]
             if dout is not None:
-                g = naive.attention_backward(dout[None, q0:q0 + n_q], *args, **opts)
                 grads[0][q0:q0 + n_q] = g[0][0]
                 grads[1][k0:k0 + n_used] = g[1][0]
                 grads[2][k0:k0 + n_used] = g[2][0]
@@ -86,9 +107,11 @@ def oracle(q, k, v, lens_q, lens_k, used, dout=None, compute_dtype=torch.float64
 
 
 def check_varlen(lens_q, lens_k, h, hk, d, dtype, device, causal=False, window=(-1, -1), softcap=0.0,
-                 alibi=False, page_size=0, seqused=None, dropout_p=0.0, backward=True, factor=2, sink=False):
+                 alibi=False, page_size=0, seqused=None, dropout_p=0.0, backward=True, factor=2, sink=False,
+                 tiled_oracle=False):
     """Forward (and backward, unless paged) of a packed batch against the per-sequence oracle;
-    sink: with an attention sink (prefill_check.sink_logits), its gradient checked too."""
+    sink: with an attention sink (prefill_check.sink_logits), its gradient checked too;
+    tiled_oracle: the float64 oracle by the tiled FA2 reference (sequences past 16k)."""
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
 
@@ -122,7 +145,8 @@ def check_varlen(lens_q, lens_k, h, hk, d, dtype, device, causal=False, window=(
     out, lse = attention_forward(q, k_in, v_in, d ** -0.5, win, softcap, slopes, out=out, varlen=varlen,
                                  dropout=dropout, sink=sink_t)
     dout = torch.randn_like(out) if backward and not page_size else None
-    ref_out, ref_lse, ref_grads = oracle(q, k, v, lens_q, lens_k, used, dout, dropout=dropout, **kw)
+    ref_out, ref_lse, ref_grads = oracle(q, k, v, lens_q, lens_k, used, dout, dropout=dropout, tiled=tiled_oracle,
+                                         **kw)
     base_out, base_lse, base_grads = oracle(q, k, v, lens_q, lens_k, used, dout, compute_dtype=None,
                                             dropout=dropout, **kw)
     assert_2x("out", out, ref_out, base_out, factor=factor)
