@@ -301,8 +301,10 @@ def test_decode_row_failure_is_recorded_and_the_run_goes_on(tmp_path, monkeypatc
 def test_decode_cases():
     rows = decode.cases(False, [2, 16])
     assert rows[:len(decode.SEED_SHAPES)] == [(b, ctx, 16, 2, 1) for b, ctx in decode.SEED_SHAPES]
-    assert rows[len(decode.SEED_SHAPES)] == (*decode.LLAMA_SHAPE, 32, 8, 1)
-    assert rows[len(decode.SEED_SHAPES) + 1:] == [(*s, sq) for s in decode.SQ_SHAPES for sq in (2, 16)]
+    n = len(decode.SEED_SHAPES)
+    assert rows[n] == (*decode.LLAMA_SHAPE, 32, 8, 1)
+    assert rows[n + 1:n + 3] == [(64, 1024, 16, 2, 1), (1, 32768, 32, 8, 1)]  # issue 11's table
+    assert rows[n + 3:] == [(*s, sq) for s in decode.SQ_SHAPES for sq in (2, 16)]
     assert [r[-1] for r in decode.cases(True, [])] == [1, 1, 1]
 
 

@@ -53,6 +53,7 @@ from flashtile.bench import harness
 
 SEED_SHAPES = ((256, 256), (128, 512), (16, 4096), (8, 8192), (2, 32768), (1, 65536), (1, 131072))
 LLAMA_SHAPE = (64, 8192)
+ISSUE_SHAPES = ((64, 1024, 16, 2), (1, 32768, 32, 8))  # issue 11's table: (batch, context, nheads, nheads_k)
 SQ_SHAPES = ((16, 4096, 16, 2), (64, 8192, 32, 8))  # (batch, context, nheads, nheads_k) of the sq > 1 rows
 SQ = (2, 4, 8, 16)
 IMPLS = ("read-floor", "eager", "sdpa-gqa", "sdpa-expanded", "flashtile-nosplit", "flashtile", "flashtile-plan",
@@ -66,9 +67,12 @@ DEVICE = "cuda"
 
 def cases(quick: bool = False, sqs=SQ):
     """(batch, context, nheads, nheads_k, seqlen_q) of every benchmarked shape: one query row per
-    sequence on the seed and Llama shapes, then each of sqs on SQ_SHAPES (the first only if quick)."""
+    sequence on the seed, Llama and issue-11 shapes, then each of sqs on SQ_SHAPES (the first only
+    if quick)."""
     shapes = SEED_SHAPES[2:4] if quick else SEED_SHAPES
     rows = [(b, ctx, 16, 2, 1) for b, ctx in shapes] + [(*LLAMA_SHAPE, 32, 8, 1)]
+    if not quick:
+        rows += [(*shape, 1) for shape in ISSUE_SHAPES]
     return rows + [(*shape, sq) for shape in SQ_SHAPES[:1 if quick else None] for sq in sqs]
 
 
