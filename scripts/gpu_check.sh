@@ -3,7 +3,8 @@
 #   usage: bash scripts/gpu_check.sh OUTDIR [tests|bench|all] [extra prefill bench args...]
 # Runs from the repository root with PYTHONPATH=src (no install needed). The cuda tests run in fourteen
 # pytest processes at once so that Triton compiles in parallel (the GPU is shared; these are
-# correctness tests, nothing is timed while they run).
+# correctness tests, nothing is timed while they run); the few that need most of the GPU's memory
+# run alone after them.
 #
 # Files written to OUTDIR (the device tool returns at most 8):
 #   tests: gpu.txt, tests.log (every pytest process's log, one after another)
@@ -27,6 +28,7 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
   logs=$(mktemp -d)  # per-process logs stay outside OUTDIR; tests.log gathers them
   budget=${TEST_BUDGET_S:-540}
   prefill="tests/test_prefill_cuda.py"
+  alone="past_65535"  # 4100 x 16-head batches: out of memory beside the other shards, so run after them
   varlen="tests/test_varlen_cuda.py"
   sink="tests/test_sink_cuda.py"
   hopper="tests/test_hopper_cuda.py"
@@ -37,14 +39,14 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
         "-k 'test_grid and (d64 or d80 or d96)' $prefill"
         "-k 'test_grid and (d111 or d128 or d160)' $prefill"
         "-k 'test_grid and (d192 or d224 or d256)' $prefill"
-        "-k 'not test_grid' $prefill"
+        "-k 'not test_grid and not $alone' $prefill"
         "tests/ --ignore=$prefill --ignore=$varlen --ignore=$sink --ignore=$hopper"
         "-k 'test_varlen_grid and (d32 or d59 or d64)' $varlen"
         "-k 'test_varlen_grid and (d96 or d128 or d256)' $varlen"
         "-k 'not test_varlen_grid' $varlen"
         "-k test_prefill_grid $sink"
         "-k 'not test_prefill_grid' $sink"
-        "-k 'not backward_ and not varlen' $hopper"
+        "-k 'not backward_ and not varlen and not $alone' $hopper"
         "-k 'backward_ and not varlen' $hopper"
         "-k varlen $hopper")
   pids=()
@@ -62,6 +64,12 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
     { echo "===== shard $i: ${names[$i]}: pytest ${cmds[$i]}: rc=$rc$note"; cat "$logs/$i.log"; echo; } \
       >> "$OUT/tests.log"
   done
+  timeout -s INT -k 30 180 python -m pytest -q -m cuda -p no:cacheprovider -k "$alone" $prefill $hopper \
+    > "$logs/alone.log" 2>&1; rc=$?
+  [[ $rc == 0 ]] || status=1
+  echo "after the shards, alone (-k $alone): rc=$rc: $(tail -n 1 "$logs/alone.log")"
+  { echo "===== after the shards, alone: pytest -k $alone $prefill $hopper: rc=$rc"; cat "$logs/alone.log"; echo; } \
+    >> "$OUT/tests.log"
   rm -rf "$logs"
 fi
 
