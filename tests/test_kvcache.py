@@ -102,6 +102,11 @@ def test_plan_follows_the_step():
     plan = cache.plan(q, 1, alibi_slopes=slopes)
     assert cache.plan(q, 1, alibi_slopes=slopes) is plan
     assert cache.plan(q, 1, alibi_slopes=slopes.clone()) is not plan  # tensors by identity
+    cache.plan(q, 1, causal=True, window_size=(3, 0))
+    with pytest.raises(TypeError, match="causal must be a bool or 0 / 1, got float"):  # keyed by type too
+        cache.plan(q, 1, causal=1.0, window_size=(3, 0))
+    with pytest.raises(TypeError, match="window_size left must be an int"):
+        cache.plan(q, 1, causal=True, window_size=(3.0, 0))
     cache.advance([3, 0, 17])
     plan = cache.plan(q, 1)
     assert plan._args["cache_seqlens"] is cache.seqlens and cache.seqlens.tolist() == [3, 0, 17]

@@ -171,7 +171,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 1 0
                 1 1
         window_size: (left, right), a tuple, list or 2-element tensor of ints; query i sees keys j with
-            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = unbounded.
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; a negative side
+            (-1) is unbounded.
         softcap: > 0 caps scores as softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope * |i + seqlen_k - seqlen_q - j|.
         deterministic: True (or torch.use_deterministic_algorithms(True)) makes the backward
@@ -790,9 +791,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # layer, looked up by the others, whose tensors DecodePlan.run then checks against it. A tensor
 # argument is keyed by identity and version counter: each entry, (plan, the key's tensors), holds
 # them, so no other tensor can take their ids while it is here, and writing one in place moves its
-# version, so the next call plans (and checks) again. Plain values are keyed with their types (1
-# and True, 2 and 2.0 are equal keys, and the checks refuse one of each). Bounded: each entry keeps
-# its tensors alive (and _last_call below those of the last call, after they leave this dict).
+# version, so the next call plans (and checks) again. Plain values are keyed with their types (2
+# and 2.0 are equal keys, and the checks refuse one of them; 1 and True get a plan each). Bounded:
+# each entry keeps its tensors alive (and _last_call below those of the last call, after they leave
+# this dict).
 _recent_plans: dict = {}
 RECENT_PLANS = 8
 _PLAIN_TYPES = frozenset((type(None), bool, int, float))  # keyed by value without asking isinstance

@@ -132,10 +132,14 @@ def _count(n) -> int:
 
 def _identity(x):
     """A plan argument as the plan key holds it: tensors (ALiBi slopes, rotary tables, cache_leftpad)
-    by identity and version, as the plan checked them; anything else by value."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    return id(x), None if x.is_inference() else x._version
+    by identity and version, as the plan checked them; anything else by type and value, a tuple's or
+    list's elements each so (causal=1.0 after causal=True, or window_size=(3.0, 0) after (3, 0), gets
+    a plan of its own and so the checks' refusal, as flash_attn_with_kvcache's recent plans do)."""
+    if isinstance(x, torch.Tensor):
+        return id(x), None if x.is_inference() else x._version
+    if isinstance(x, (tuple, list)):
+        return type(x), tuple(_identity(e) for e in x)
+    return type(x), x
 
 
 class KVCache(_Cache):
