@@ -79,6 +79,7 @@ def test_dropout_forward_backward_against_the_oracle(causal, dtype):
     """Output, LSE and gradients against naive attention with the same mask (2x rule)."""
     check_prefill(2, 37, 53, 4, 2, 40, dtype, "cpu", causal=causal, dropout_p=0.3)
     check_prefill(1, 64, 48, 2, 1, 64, dtype, "cpu", causal=causal, dropout_p=0.1)
+    check_prefill(1, 29, 31, 2, 2, 59, dtype, "cpu", causal=causal, dropout_p=0.2)  # an odd head dim
 
 
 def test_dropout_varlen_against_the_oracle():

@@ -70,7 +70,7 @@ DROPOUT_SEQLENS = [(113, 203), (1024, 1023), (2048, 2048)]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("sq,sk", DROPOUT_SEQLENS, ids=[f"{a}x{b}" for a, b in DROPOUT_SEQLENS])
-@pytest.mark.parametrize("d", [64, 96, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("d", HEADDIMS, ids=lambda d: f"d{d}")
 def test_dropout_grid(d, sq, sk, dtype, causal):
     check_prefill(2, sq, sk, 4, 2, d, dtype, "cuda", causal=causal, dropout_p=0.17)
 
