@@ -1,6 +1,6 @@
 """Where a decoding kernel's time goes past the read floor: its loop's pieces on its own grid.
 
-    PYTHONPATH=src python scripts/decode_probe.py [BATCHxCONTEXTxSPLITS,...]
+    PYTHONPATH=src python scripts/decode_probe.py [BATCHxCONTEXTxSPLITS,...] [--quick]
 
 Per shape (fp16, 2 KV heads of 128, 8 query rows a KV head), device time by CUDA-graph replay over
 four rotating caches, all in one process:
@@ -11,6 +11,11 @@ four rotating caches, all in one process:
   rows' output in fp16 (2 KB a program);
 - m2: m1 with the key range from a lengths tensor and masked loads, as the split kernel;
 - m3: m1 with each warp on its own keys of a tile (a batched tl.dot), the warps' states merged once;
+- g1: m3 in Gluon: each warp copies its own keys into shared memory (cp.async, STAGES deep, one
+  barrier a tile), its P stays in registers for P V, and the warps' states merge once through a
+  padded shared tile;
+- g2: g1 with the products turned round (S^T = K Q^T, O^T = V^T P^T) on the 8 real rows: the form
+  ops.decode._split_kernel_warps took (decode_probe_gluon.txt);
 - flashtile: flash_attn_with_kvcache(cache_seqlens=..., num_splits=SPLITS), merge included.
 Tiles are BLOCK_N x warps x stages; 64 x 4 x 2 is what the split kernel takes.
 """
@@ -19,11 +24,16 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 import flashtile
 from flashtile.bench.decode import _read_floor
 
 TILES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2))
+MODES = (0, 1, 2, 3)
+GLUON_TILES = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 4, 2), (16, 8, 2))  # keys a warp, warps, stages
 
 
 @triton.jit
@@ -109,6 +119,170 @@ def probe(Q, K, V, Out, Lens, s, num_splits, stride_b, stride_n, stride_h, D: tl
                  mask=rows[:, None] < 8)
 
 
+@gluon.jit
+def probe_gluon(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_scale, D: gl.constexpr,
+                KW: gl.constexpr, STAGES: gl.constexpr):
+    """m1's keys and output with each of the program's warps on its own KW keys of a tile."""
+    W: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(2, mma)  # (W, 16)
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // D, D // 8], [W, 1, 1], [2, 1, 0])
+    ring_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+
+    split = gl.program_id(0)
+    kh = gl.program_id(1)
+    b = gl.program_id(2)
+    program = (b * gl.num_programs(1) + kh) * gl.num_programs(0) + split
+    base = b.to(gl.int64) * stride_b + kh * stride_h
+    TILE: gl.constexpr = W * KW
+    per_split = gl.cdiv(gl.cdiv(s, TILE), num_splits) * TILE
+    lo = split * per_split
+    n_tiles = (gl.minimum(lo + per_split, s) - lo) // TILE
+
+    # the 16 query rows (8 real), the same for every warp
+    qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, a_op)))
+    qr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_op)))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_op)))
+    q_rows = qr[None, :, None] + 0 * qw[:, None, None]
+    q = gl.load(Q + (b * gl.num_programs(1) + kh) * 16 * D + q_rows * D + qd[None, None, :], mask=q_rows < 8,
+                other=0.0)
+
+    # warp w copies keys [start + w KW, start + (w + 1) KW) of a tile
+    cw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, copy_l)))
+    ck = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(2, copy_l)))
+    cd = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy_l)))
+    offs = base + (lo + cw[:, None, None] * KW + ck[None, :, None]).to(gl.int64) * stride_n + cd[None, None, :]
+    k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, KW, D], ring_l)
+    v_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, KW, D], ring_l)
+    for i in gl.static_range(STAGES - 1):
+        ok = i < n_tiles
+        async_copy.async_copy_global_to_shared(k_ring.index(i), K + offs + i * TILE * stride_n, mask=ok)
+        async_copy.async_copy_global_to_shared(v_ring.index(i), V + offs + i * TILE * stride_n, mask=ok)
+        async_copy.commit_group()
+
+    m_i = gl.full([W, 16], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([W, 16], gl.float32, row_l)
+    acc = gl.zeros([W, 16, D], gl.float32, mma)
+    for t in range(n_tiles):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # tile t is in, and every warp is done with tile t - 1's slot
+        nxt = t + STAGES - 1
+        ok = nxt < n_tiles
+        async_copy.async_copy_global_to_shared(k_ring.index(nxt % STAGES), K + offs + nxt * TILE * stride_n, mask=ok)
+        async_copy.async_copy_global_to_shared(v_ring.index(nxt % STAGES), V + offs + nxt * TILE * stride_n, mask=ok)
+        async_copy.commit_group()
+        slot = t % STAGES
+        k_t = k_ring.index(slot).permute((0, 2, 1)).load(b_op)
+        qk = mma_v2(q, k_t, gl.zeros([W, 16, KW], gl.float32, mma)) * qk_scale
+        m_new = gl.maximum(m_i, gl.max(qk, 2))
+        p = gl.exp2(qk - gl.expand_dims(m_new, 2))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 2)
+        v = v_ring.index(slot).load(b_op)
+        acc = mma_v2(gl.convert_layout(p.to(gl.float16), a_op), v, acc * gl.expand_dims(alpha, 2))
+        m_i = m_new
+    async_copy.wait_group(0)
+
+    # the warps' states, merged once: rescale to the common max, sum through a padded shared tile
+    m = gl.max(m_i, 0)
+    scale = gl.exp2(m_i - gl.expand_dims(m, 0))
+    l = gl.sum(l_i * scale, 0)
+    o_smem = gl.allocate_shared_memory(gl.float32, [W, 16, D],
+                                       gl.PaddedSharedLayout.with_identity_for([[D, 8]], [W, 16, D], [2, 1, 0]))
+    o_smem.store(acc * gl.expand_dims(scale, 2))
+    gl.thread_barrier()
+    red: gl.constexpr = gl.BlockedLayout([W, 1, 4], [1, 1, 32], [1, W, 1], [2, 1, 0])
+    out_l: gl.constexpr = gl.SliceLayout(0, red)
+    o = gl.sum(o_smem.load(red), 0)
+    o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(1, out_l)), 1)
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, out_l))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, out_l))
+    gl.store(Out + program * 8 * D + r[:, None] * D + c[None, :], o.to(gl.float16), mask=r[:, None] < 8)
+
+
+@gluon.jit
+def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_scale, D: gl.constexpr,
+                  KW: gl.constexpr, STAGES: gl.constexpr):
+    """probe_gluon with the products turned round, S^T = K Q^T and O^T = V^T P^T, on the 8 real rows
+    (the MMA's N is 8): no padded rows, so half the multiplies and a 32-register accumulator."""
+    W: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(1, mma)  # (W, 8): a statistic per query row
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // D, D // 8], [W, 1, 1], [2, 1, 0])
+    ring_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+
+    split = gl.program_id(0)
+    kh = gl.program_id(1)
+    b = gl.program_id(2)
+    program = (b * gl.num_programs(1) + kh) * gl.num_programs(0) + split
+    base = b.to(gl.int64) * stride_b + kh * stride_h
+    TILE: gl.constexpr = W * KW
+    per_split = gl.cdiv(gl.cdiv(s, TILE), num_splits) * TILE
+    lo = split * per_split
+    n_tiles = (gl.minimum(lo + per_split, s) - lo) // TILE
+
+    # Q^T (D, 8), the same for every warp
+    qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_op)))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_op)))
+    qr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_op)))
+    q_t = gl.load(Q + (b * gl.num_programs(1) + kh) * 16 * D + qr[None, None, :] * D + qd[None, :, None]
+                  + 0 * qw[:, None, None])
+
+    cw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, copy_l)))
+    ck = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(2, copy_l)))
+    cd = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy_l)))
+    offs = base + (lo + cw[:, None, None] * KW + ck[None, :, None]).to(gl.int64) * stride_n + cd[None, None, :]
+    k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, KW, D], ring_l)
+    v_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, KW, D], ring_l)
+    for i in gl.static_range(STAGES - 1):
+        ok = i < n_tiles
+        async_copy.async_copy_global_to_shared(k_ring.index(i), K + offs + i * TILE * stride_n, mask=ok)
+        async_copy.async_copy_global_to_shared(v_ring.index(i), V + offs + i * TILE * stride_n, mask=ok)
+        async_copy.commit_group()
+
+    m_i = gl.full([W, 8], float("-inf"), gl.float32, col_l)
+    l_i = gl.zeros([W, 8], gl.float32, col_l)
+    acc = gl.zeros([W, D, 8], gl.float32, mma)
+    for t in range(n_tiles):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        nxt = t + STAGES - 1
+        ok = nxt < n_tiles
+        async_copy.async_copy_global_to_shared(k_ring.index(nxt % STAGES), K + offs + nxt * TILE * stride_n, mask=ok)
+        async_copy.async_copy_global_to_shared(v_ring.index(nxt % STAGES), V + offs + nxt * TILE * stride_n, mask=ok)
+        async_copy.commit_group()
+        slot = t % STAGES
+        k = k_ring.index(slot).load(a_op)
+        s_t = mma_v2(k, q_t, gl.zeros([W, KW, 8], gl.float32, mma)) * qk_scale
+        m_new = gl.maximum(m_i, gl.max(s_t, 1))
+        p_t = gl.exp2(s_t - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p_t, 1)
+        v_t = v_ring.index(slot).permute((0, 2, 1)).load(a_op)
+        acc = mma_v2(v_t, gl.convert_layout(p_t.to(gl.float16), b_op), acc * gl.expand_dims(alpha, 1))
+        m_i = m_new
+    async_copy.wait_group(0)
+
+    m = gl.max(m_i, 0)
+    scale = gl.exp2(m_i - gl.expand_dims(m, 0))
+    l = gl.sum(l_i * scale, 0)
+    o_smem = gl.allocate_shared_memory(gl.float32, [W, D, 8],
+                                       gl.PaddedSharedLayout.with_identity_for([[32, 4]], [W, D, 8], [2, 1, 0]))
+    o_smem.store(acc * gl.expand_dims(scale, 1))
+    gl.thread_barrier()
+    red: gl.constexpr = gl.BlockedLayout([W, 4, 1], [1, 4, 8], [1, W, 1], [1, 2, 0])
+    out_l: gl.constexpr = gl.SliceLayout(0, red)  # (D, 8)
+    o = gl.sum(o_smem.load(red), 0)
+    o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(0, out_l)), 0)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
+    r = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
+    gl.store(Out + program * 8 * D + r[None, :] * D + c[:, None], o.to(gl.float16))
+
+
 def graph_us(fn, bufs, rep=40):
     for i in range(3):
         fn(*bufs[i % 4])
@@ -131,7 +305,9 @@ def graph_us(fn, bufs, rep=40):
 
 
 def main() -> None:
-    spec = sys.argv[1] if len(sys.argv) > 1 else "256x256x1,16x4096x8,8x8192x16,1x65536x128,1x131072x132"
+    quick = "--quick" in sys.argv  # m0 and m1 on the split kernel's tiles only, beside the Gluon probes
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    spec = args[0] if args else "256x256x1,16x4096x8,8x8192x16,1x65536x128,1x131072x132"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for item in spec.split(","):
         b, s, splits = (int(x) for x in item.split("x"))
@@ -145,13 +321,25 @@ def main() -> None:
         res = {"floor": graph_us(lambda k, v: _read_floor(None, k, v), bufs),
                "flashtile": graph_us(lambda k, v: flashtile.flash_attn_with_kvcache(
                    q_api, k, v, cache_seqlens=lens, num_splits=splits), bufs)}
-        for mode in (0, 1, 2, 3):
-            for bn, warps, stages in TILES:
+        for mode in (0, 1) if quick else MODES:
+            for bn, warps, stages in TILES[:1] if quick else TILES:
                 def run(k, v, mode=mode, bn=bn, warps=warps, stages=stages):
                     probe[(splits, hk, b)](q, k, v, out, lens, s, splits, k.stride(0), k.stride(1), k.stride(2), D=d,
                                            BLOCK_N=bn, MODE=mode, W=warps, num_warps=warps, num_stages=stages)
                 res[f"m{mode} {bn}x{warps}x{stages}"] = graph_us(run, bufs)
-        print(item, " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
+        run(*bufs[0], mode=1, bn=64, warps=4, stages=2)
+        want = out.clone()
+        for name, kernel in (("g1", probe_gluon), ("g2", probe_gluon_t)):
+            for kw, warps, stages in GLUON_TILES:
+                def run_gluon(k, v, kernel=kernel, kw=kw, warps=warps, stages=stages):
+                    kernel[(splits, hk, b)](q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125, D=d,
+                                            KW=kw, STAGES=stages, num_warps=warps)
+                out.fill_(float("nan"))
+                run_gluon(*bufs[0])
+                err = (out.float() - want.float()).abs().max().item()
+                res[f"{name} {kw}x{warps}x{stages}"] = graph_us(run_gluon, bufs)
+                res[f"{name} {kw}x{warps}x{stages} err"] = err
+        print(item, " ".join(f"{k}={v:.1f}" if "err" not in k else f"{k}={v:.1e}" for k, v in res.items()), flush=True)
         del bufs
 
 
