@@ -67,7 +67,8 @@ def _written(shape, lengths, s_new, block_table, batch_idx, device):
 
 def check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, device, *, page_size=None, lengths=None,
                   num_splits=0, rotary=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
-                  leftpad=False, batch_idx=False, int_seqlens=False, q_strided=False, plan=None, sink=False):
+                  leftpad=False, batch_idx=False, int_seqlens=False, q_strided=False, plan=None, sink=False,
+                  cache_strided=False):
     """Run one case; returns the kernel's (out, lse) for comparisons across num_splits.
 
     lengths: tokens already cached per sequence (random in [0, capacity - s_new] when None).
@@ -77,7 +78,8 @@ def check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, device, *, page_size=
     from the lengths as a host list ("list") or from the index tensor ("tensor"); the call is
     then also made through flash_attn_with_kvcache on a fourth copy of the cache, and both must
     agree bit for bit (one code path: the same kernels with the same arguments). sink: with an
-    attention sink (h,) (prefill_check.sink_logits), passed to run() with a plan.
+    attention sink (h,) (prefill_check.sink_logits), passed to run() with a plan. cache_strided:
+    k_cache and v_cache with their head dim not contiguous (a (..., d, hk) storage transposed).
     """
     torch.manual_seed(0)  # the same inputs for the same case, whatever num_splits
     gen = torch.Generator().manual_seed(0)
@@ -87,6 +89,8 @@ def check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, device, *, page_size=
         lengths = [lengths[0]] * b
     b_cache = b + 2 if batch_idx else b
     k_cache, v_cache, table = make_cache(b_cache, capacity, hk, d, dtype, device, page_size, b)
+    if cache_strided:
+        k_cache, v_cache = (c.transpose(-1, -2).contiguous().transpose(-1, -2) for c in (k_cache, v_cache))
     if q_strided:
         q = torch.randn(b, h, sq, d, device=device).to(dtype).transpose(1, 2)
     else:

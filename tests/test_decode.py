@@ -570,3 +570,29 @@ def test_reference_merge():
     w = torch.exp(lse_partial - lse).nan_to_num(0.0)
     torch.testing.assert_close(lse, torch.logsumexp(lse_partial, 0))
     torch.testing.assert_close(out, (w[..., None] * out_partial.nan_to_num(0.0)).sum(0))
+
+
+def test_warp_kernel_dispatch(monkeypatch):
+    """configs.decode_warp_tiles: the Gluon split kernel on an sm_90 GPU for 16-bit d=128 caches, at
+    most 16 query rows a KV head, no append or rotary, and at most one program an SM before
+    splitting, which then fills the SMs once at >= 8 tiles a split; None (the Triton kernel)
+    otherwise."""
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "num_sms", lambda device: 132)
+    gpu, fp16 = torch.device("cuda", 0), torch.float16
+
+    def tiles(rows=8, d=128, dtype=fp16, kv_rows=128, keys=1024, splits=0, rotary=False, append=False):
+        return configs.decode_warp_tiles(rows, d, dtype, gpu, kv_rows, keys, splits, rotary, append)
+
+    assert tiles() == (configs.BlockConfig(8, 64, 4, 3), 1)  # 64 x 1024, 16 / 2 heads: one program an SM
+    assert tiles(kv_rows=32, keys=4096)[1] == 4  # 16 x 4096
+    assert tiles(kv_rows=2, keys=65536)[1] == 66  # 1 x 65536
+    assert tiles(kv_rows=2, keys=1000)[1] == 2  # >= 8 tiles of 64 keys a split
+    assert tiles(kv_rows=2, keys=65536, splits=5)[1] == 5  # a given count is kept
+    assert tiles(rows=16, dtype=torch.bfloat16)[0].block_m == 16
+    for other in (dict(kv_rows=133), dict(rows=17), dict(d=64), dict(dtype=torch.float32), dict(rotary=True),
+                  dict(append=True)):
+        assert tiles(**other) is None, other
+    monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
+    assert tiles() is None
+    assert configs.decode_warp_tiles(8, 128, fp16, torch.device("cpu"), 128, 1024, 0, False, False) is None

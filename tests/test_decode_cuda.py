@@ -129,6 +129,50 @@ def test_features(case, dtype):
     check_kvcache(3, 2, 16, 2, 128, 2048, 2, dtype, "cuda", **case)
 
 
+# (b, sq, h, hk, capacity), d = 128, no new keys: what ops.decode._split_kernel_warps takes (at most 16
+# query rows a KV head, b x hk <= the SMs; configs.decode_warp_tiles)
+WARP_SHAPES = {"gqa8": (4, 1, 16, 2, 4096), "gqa4": (8, 1, 32, 8, 2048), "mha": (3, 1, 8, 8, 1000),
+               "spec2-gqa8-16-rows": (2, 2, 16, 2, 2000), "mqa8": (5, 1, 8, 1, 777)}
+WARP_CASES = {
+    **{name: dict(shape=shape) for name, shape in WARP_SHAPES.items()},
+    **{f"page{p}": dict(shape=WARP_SHAPES["gqa8"], page_size=p) for p in (16, 48, 64, 256)},
+    "page16-causal-spec": dict(shape=WARP_SHAPES["spec2-gqa8-16-rows"], page_size=16, causal=True),
+    "splits1": dict(shape=WARP_SHAPES["gqa8"], num_splits=1),
+    "splits3-fused": dict(shape=WARP_SHAPES["gqa4"], num_splits=3),
+    "splits64-combine": dict(shape=WARP_SHAPES["gqa8"], num_splits=64),
+    "window": dict(shape=WARP_SHAPES["spec2-gqa8-16-rows"], window=(100, 0), causal=True),
+    "softcap": dict(shape=WARP_SHAPES["gqa8"], softcap=30.0),
+    "alibi-bh": dict(shape=WARP_SHAPES["spec2-gqa8-16-rows"], alibi="bh", causal=True),
+    "leftpad": dict(shape=WARP_SHAPES["gqa8"], leftpad=True),
+    "batch-idx": dict(shape=WARP_SHAPES["gqa4"], batch_idx=True),
+    "int-seqlens-strided-q": dict(shape=WARP_SHAPES["gqa8"], int_seqlens=True, q_strided=True),
+    "sink": dict(shape=WARP_SHAPES["gqa8"], sink=True, plan="tensor"),
+    "sink-fused": dict(shape=WARP_SHAPES["gqa4"], sink=True, num_splits=4),
+    "plan-list": dict(shape=WARP_SHAPES["gqa4"], plan="list"),
+    "strided-cache": dict(shape=WARP_SHAPES["gqa8"], cache_strided=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", WARP_CASES.values(), ids=WARP_CASES.keys())
+def test_warp_kernel(case, dtype):
+    """_split_kernel_warps (the Gluon split kernel) against the float64 oracle, on each path it has;
+    a cache whose rows it cannot copy whole (strided-cache) runs _split_kernel in the same plan."""
+    from flashtile.ops import configs, decode
+
+    case = dict(case)
+    b, sq, h, hk, capacity = case.pop("shape")
+    check_kvcache(b, sq, h, hk, 128, capacity, 0, dtype, "cuda", **case)
+    lengths = [capacity // 2] * b
+    plan = DecodePlan(b, h, (b + 2, capacity, hk, 128), torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+                      dtype=dtype, device="cuda", seqlen_q=sq, num_splits=case.get("num_splits", 0))
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert plan._launch.split.kernel is decode._split_kernel_warps
+        assert plan._launch.split_any.kernel is decode._split_kernel
+    assert configs.decode_warp_tiles(sq * h // hk, 128, dtype, torch.device("cuda"), b * hk, capacity, 0, False,
+                                     True) is None  # an append takes _split_kernel
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("num_splits", [1, 3, 133, 600])
 def test_merge(num_splits, dtype):

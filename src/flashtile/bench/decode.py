@@ -279,12 +279,16 @@ def _graph_us(fn, q, buffers, **bench) -> float:
     return harness.bench_ms(graph.replay, **bench) * 1e3 / len(buffers)
 
 
-def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
-    """The num_splits flashtile's heuristic picks for this shape (recorded with each row)."""
+def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1, append=False) -> int:
+    """The num_splits flashtile's heuristic picks for this shape (recorded with each row), as
+    ops.decode.plan picks it: configs.decode_warp_tiles' where the Gluon split kernel runs."""
     from flashtile.ops import configs
 
-    return configs.decode_tiles(sq * h // hk, HEADDIM, dtype, page_size, torch.device(DEVICE), batch * hk,
-                                context)[1]
+    device = torch.device(DEVICE)
+    warps = configs.decode_warp_tiles(sq * h // hk, HEADDIM, dtype, device, batch * hk, context, 0, False, append)
+    if warps is not None:
+        return warps[1]
+    return configs.decode_tiles(sq * h // hk, HEADDIM, dtype, page_size, device, batch * hk, context)[1]
 
 
 def run(args, path: str | None = None) -> dict:
@@ -314,7 +318,7 @@ def run(args, path: str | None = None) -> dict:
                 if name.startswith("flashtile"):
                     page = int(re.search(r"page(\d+)", name).group(1)) if "page" in name else 0
                     row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(
-                        batch, context, h, hk, dtype, page, sq)
+                        batch, context, h, hk, dtype, page, sq, "append" in name)
                     err = check(q, *buffers[0])
                     row["max_err_vs_sdpa"] = err
                     if not err <= args.tolerance:
@@ -378,11 +382,13 @@ def _sweep_tiles(spec: str):
 def sweep(args) -> dict:
     """Device time (graph_us) of flashtile's contiguous and paged paths per shape under alternative
     tiles, split counts (the heuristic's count x factor) and merges (the combine fused into the split
-    kernel or a combine kernel): configs.decode_config and DECODE_FUSED_MAX_SPLITS replaced for the call."""
+    kernel or a combine kernel): configs.decode_config and DECODE_FUSED_MAX_SPLITS replaced for the call.
+    The tiles are _split_kernel's: the Gluon split kernel (configs.decode_warp_tiles) is off meanwhile."""
     from flashtile.ops import configs
 
     dtype = getattr(torch, args.dtype)
-    real, real_fused = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS
+    real, real_fused, real_warps = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS, configs.decode_warp_tiles
+    configs.decode_warp_tiles = lambda *args, **kwargs: None
     pages = [int(p) for p in args.sweep_pages.split(",")]
     factors = [float(f) for f in args.sweep_factors.split(",")]
     rows = []
@@ -432,6 +438,7 @@ def sweep(args) -> dict:
             torch.cuda.empty_cache()
     finally:
         configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS = real, real_fused
+        configs.decode_warp_tiles = real_warps
     return {"env": harness.environment(), "dtype": args.dtype, "rows": rows}
 
 

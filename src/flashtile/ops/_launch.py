@@ -226,10 +226,11 @@ class Prepared:
     16 us where the compiled launcher with its arguments ready took 7 (scripts/host_launches.py).
     """
 
-    def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int,
+    def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int | None,
                  launch_pdl: bool = False, **constexprs):
         self.kernel, self.grid, self.tensors, self.scalars, self.constexprs = kernel, grid, tensors, scalars, constexprs
-        self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
+        self.options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+                            **({"launch_pdl": True} if launch_pdl else {}))
         self._rest = (num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
         self._id = _fixed_id((scalars, *self._rest))
         self._class_id = None  # the fixed part by specialisation, at the first call that needs it

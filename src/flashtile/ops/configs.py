@@ -468,6 +468,39 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, page_size: int, device: 
     return cfg, num_splits
 
 
+DECODE_WARP_KEYS = 16  # keys each of _split_kernel_warps' 4 warps takes of a tile
+DECODE_WARP_STAGES = 3  # its tiles in flight (cp.async)
+
+
+def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.device, kv_rows: int, max_keys: int,
+                      num_splits: int, rotary: bool, append: bool) -> tuple[BlockConfig, int] | None:
+    """(tiles, splits) for ops.decode._split_kernel_warps (each warp on keys of its own) where it
+    measured faster than _split_kernel, else None: on sm_90, fp16 / bf16, d=128, at most 16 query
+    rows a KV head (rows = seqlen_q x nheads / nheads_k), no append and no rotary (the Triton kernel
+    does those), and a grid of at most one program per SM (kv_rows = batch x nheads_k programs,
+    times the splits). Its warps' chains being short, one program an SM with 3 tiles in flight
+    reads at ~94% of the read floor, where _split_kernel needs two or more programs an SM and then
+    splits (and merges) twice as much. With num_splits = 0 the keys are cut so the grid fills the
+    SMs once, at >= DECODE_MIN_BLOCKS_PER_SPLIT tiles a split.
+
+    Measured (decode_probe.txt of the thirty-first session: H100, fp16, 16 q / 2 kv heads, device
+    time from CUDA graphs over rotating caches; the probes are this loop without masks or epilogue,
+    us): one program an SM, 3 stages, 64x1024 unsplit 25.1 (Triton's loop 31.8 there, 26.5 with 2
+    splits), 16 x 4096 in 4 splits 25.0, 1 x 65536 in 64 splits 25.3, against a read floor of 23.5;
+    past one round the Triton kernel stays ahead (256 x 256: 26.9 against its 26.2)."""
+    if (device.type != "cuda" or capability(device)[0] != 9 or dtype not in (torch.float16, torch.bfloat16)
+            or d != 128 or rows > 16 or rotary or append):
+        return None
+    block_m = 8 if rows <= 8 else 16
+    sms = num_sms(device)
+    if kv_rows > sms:
+        return None
+    block_n = 4 * DECODE_WARP_KEYS
+    if num_splits == 0:
+        num_splits = max(1, min(sms // kv_rows, cdiv(max(max_keys, 1), DECODE_MIN_BLOCKS_PER_SPLIT * block_n)))
+    return BlockConfig(block_m, block_n, 4, DECODE_WARP_STAGES), num_splits
+
+
 def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int, paged: bool = False) -> int:
     """How many pieces to cut each sequence's keys into (Flash-Decoding's new parallel axis).
 

@@ -1,12 +1,15 @@
 """Flash-Decoding: split-KV attention over a contiguous or paged KV cache, then an LSE merge.
 
-Two kernels, each a plain stream over HBM:
+Three kernels, each a plain stream over HBM:
   _split_kernel    one program per (split, kv head [x M block], batch): the query rows of every head
                    that shares the kv head are packed into one tile (GQA packing), so each KV byte
                    is read once; it writes a partial (out, lse) per split, in fp32 - or, with one
                    split, the final output directly. New k/v rows (rotary applied to k) are
                    written into the cache, through the page table, by the same launch (APPEND):
                    each program writes those it reads, before it reads them
+  _split_kernel_warps  the same launch in Gluon, each warp on keys of its own (sm_90, 16-bit
+                   d=128, no append or rotary, a grid of at most one program an SM before it
+                   splits: configs.decode_warp_tiles); the same helpers and epilogue
   _combine_kernel  out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s (seed 004's
                    kernel 2); splits with lse = -inf (nothing seen) contribute nothing. Up to
                    configs.DECODE_FUSED_MAX_SPLITS splits the split kernel's last program of a row
@@ -36,6 +39,9 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.ops import configs
@@ -310,6 +316,244 @@ def _split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    _split_epilogue(acc, l_i, m_i, Out, Lse, OutF, LseF, Arrivals, Sink, b, i, head, offs_d, row_ok, row_mask, split,
+                    num_splits, stride_os, stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb,
+                    stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
+                    FUSED_COMBINE, MERGE_UNROLL, HAS_SINK)
+
+
+@gluon.jit(do_not_specialize=_LENGTHS)
+def _split_kernel_warps(
+    Q, K, V, Knew, Vnew, Out, Lse, OutF, LseF, Arrivals, Sink, Seqlens, BatchIdx, LeftPad, BlockTable, Slopes,
+    Cos, Sin,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_nb, stride_nt, stride_nh, stride_nd,
+    stride_wb, stride_wt, stride_wh, stride_wd,
+    stride_os, stride_ob, stride_om, stride_oh, stride_od,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
+    stride_sl, stride_bi, stride_lp, stride_tb, stride_tp, stride_slope_b, stride_slope_h,
+    stride_cr, stride_cc, stride_sr, stride_sc,
+    seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
+    left, right, qk_scale, softcap,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, ROTARY_DIM: gl.constexpr, ROTARY_INTERLEAVED: gl.constexpr,
+    ROTARY_BY_ROW: gl.constexpr, DOT_PRECISION: gl.constexpr, EVEN_D: gl.constexpr,
+    HAS_SEQLENS: gl.constexpr, HAS_BATCH_IDX: gl.constexpr, HAS_LEFTPAD: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, FUSED_COMBINE: gl.constexpr, MERGE_UNROLL: gl.constexpr, HAS_SINK: gl.constexpr,
+    APPEND: gl.constexpr, BLOCK_T: gl.constexpr, LAUNCH_COMBINE: gl.constexpr, STAGES: gl.constexpr,
+):
+    """_split_kernel (same arguments, grid and outputs) with each warp on keys of its own: the
+    Gluon form that configs.decode_warp_tiles picks where it measured faster (sm_90, fp16/bf16, a
+    head dim of 64-256 in whole 16-byte rows, at most 16 query rows a program, no append, no rotary).
+
+    _split_kernel's tl.dot spreads a tile's keys over its warps, so every tile's row max, row sum
+    and P go between warps through shared memory: 9 barriers a tile, and a warp's chain of ~300
+    instructions a tile is what bounds the loop (decode_probe.txt). Here warp w copies keys
+    [start + w KW, start + (w + 1) KW) of each BLOCK_N-key tile into shared memory itself
+    (cp.async, STAGES tiles in flight) and keeps its own online softmax over them: one barrier a
+    tile, and the warps' states merge once, after the loop. The products are turned round, S^T = K
+    Q^T and O^T = V^T P^T, so the query rows are the MMA's N side, 8 at a time: no rows padded to
+    16, and P^T goes from the first product's accumulator into the second's operand in registers.
+    Masks, pages, lengths and the epilogue are _split_kernel's, through the same helpers."""
+    gl.static_assert(not APPEND and ROTARY_DIM == 0 and EVEN_D, "the Triton split kernel takes these")
+    W: gl.constexpr = gl.num_warps()
+    KW: gl.constexpr = BLOCK_N // W  # keys a warp takes of each tile
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // HEAD_DIM, HEAD_DIM // 8], [W, 1, 1], [2, 1, 0])
+    ring_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+    # the warps' states (W, rows, d), summed over W: a thread takes 4 rows of a column of every warp
+    red_l: gl.constexpr = gl.BlockedLayout([W, 4, 1], [1, BLOCK_M // 4, 128 // BLOCK_M], [1, 1, W], [1, 2, 0])
+    out_l: gl.constexpr = gl.SliceLayout(0, red_l)  # (rows, d)
+    dtype: gl.constexpr = K.dtype.element_ty
+
+    if LAUNCH_COMBINE:
+        gdc_launch_dependents()
+    split = gl.program_id(0)
+    kh = gl.program_id(1) // m_blocks
+    start_m = (gl.program_id(1) % m_blocks) * BLOCK_M
+    b = gl.program_id(2)
+
+    if HAS_SEQLENS:
+        n_cache = gl.minimum(gl.maximum(gl.load(Seqlens + b * stride_sl), 0), capacity)
+    else:
+        n_cache = seqlen_const
+    pad = 0
+    if HAS_LEFTPAD:
+        pad = gl.minimum(gl.maximum(gl.load(LeftPad + b * stride_lp), 0), n_cache)
+    cb = b
+    cb_ok = True
+    if HAS_BATCH_IDX:
+        cb = gl.load(BatchIdx + b * stride_bi)
+        cb_ok = (cb >= 0) & (cb < cache_rows)
+    seqlen_k = n_cache - pad + seqlen_new
+    diag_offset = seqlen_k - seqlen_q
+
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = gl.maximum(start_m // GROUP + diag_offset - left, 0)
+    if HAS_RIGHT:
+        last_i = gl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+        hi = gl.minimum(hi, gl.maximum(last_i + diag_offset + right + 1, 0))
+    hi = gl.minimum(hi + pad, capacity)
+    if HAS_BATCH_IDX:
+        hi = gl.where(cb_ok, hi, 0)
+    lo = gl.minimum(lo + pad, hi)
+    first_blk = lo // BLOCK_N
+    n_blk = gl.cdiv(hi, BLOCK_N) - first_blk
+    per_split = gl.cdiv(n_blk, num_splits)
+    blk_start = first_blk + split * per_split
+    blk_end = gl.minimum(blk_start + per_split, first_blk + n_blk)
+    n_tiles = gl.maximum(blk_end - blk_start, 0)
+
+    table = BlockTable
+    if PAGE_SIZE > 0:
+        table = BlockTable + b.to(gl.int64) * stride_tb
+    else:
+        K = K + cb.to(gl.int64) * stride_kb
+        V = V + cb.to(gl.int64) * stride_vb
+    K = K + kh * stride_kh
+    V = V + kh * stride_vh
+
+    # Q^T (W, d, rows), every warp's the same: row r is query r // GROUP of head kh GROUP + r % GROUP
+    q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_op)))
+    q_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_op)))
+    q_w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_op)))
+    q_ptr = (Q + b.to(gl.int64) * stride_qb + (q_rows // GROUP) * stride_qm + (kh * GROUP + q_rows % GROUP) * stride_qh)
+    q_ok = (q_rows < seqlen_q * GROUP)[None, None, :] & (q_w < W)[:, None, None]
+    q_t = gl.load(q_ptr[None, None, :] + (q_d * stride_qd)[None, :, None] + 0 * q_w[:, None, None], mask=q_ok,
+                  other=0.0)
+
+    # the rows and keys of the scores (W, KW, rows), for the masks
+    s_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    i = (s_rows // GROUP)[None, None, :]
+    s_keys = (gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))[:, None] * KW
+              + gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))[None, :])[:, :, None]
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = gl.load(Slopes + b * stride_slope_b + (kh * GROUP + s_rows % GROUP) * stride_slope_h)[None, None, :]
+
+    # each warp's copy of its keys: key k of warp w is key w KW + k of a tile, (W, KW, 1); columns (1, 1, d)
+    c_warp = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, copy_l)))[:, None, None] * KW
+    c_keys = c_warp + gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(2, copy_l)))[None, :, None]
+    c_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy_l)))[None, None, :]
+    k_cols = c_keys.to(gl.int64) * stride_kn + c_d * stride_kd  # a contiguous cache's rows from a tile's first
+    v_cols = c_keys.to(gl.int64) * stride_vn + c_d * stride_vd
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, W, KW, HEAD_DIM], ring_l)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, W, KW, HEAD_DIM], ring_l)
+    for t in gl.static_range(STAGES - 1):
+        if t < n_tiles:
+            _copy_tile(K, V, k_ring.index(t), v_ring.index(t), table, (blk_start + t) * BLOCK_N, c_warp, c_keys, c_d,
+                       k_cols, v_cols, lo, hi, cache_rows, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+                       stride_vd, stride_tp, PAGE_SIZE, BLOCK_N)
+        async_copy.commit_group()
+
+    m_i = gl.full([W, BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([W, BLOCK_M], gl.float32, gl.SliceLayout(1, mma))
+    acc = gl.zeros([W, HEAD_DIM, BLOCK_M], gl.float32, mma)
+    for t in range(n_tiles):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # tile t is in, and every warp is done with the slot the copy below refills
+        nxt = t + STAGES - 1
+        if nxt < n_tiles:
+            _copy_tile(K, V, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), table,
+                       (blk_start + nxt) * BLOCK_N, c_warp, c_keys, c_d, k_cols, v_cols, lo, hi, cache_rows, stride_kb,
+                       stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE, BLOCK_N)
+        async_copy.commit_group()
+        slot = t % STAGES
+        qk = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([W, KW, BLOCK_M], gl.float32, mma))
+        start = (blk_start + t) * BLOCK_N
+        pos = start + s_keys
+        s2, _ = scores_log2(qk, i, pos - pad, qk_scale, softcap, slope, diag_offset, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_LEFT or HAS_RIGHT:
+            ok = (pos >= lo) & (pos < hi) & visible(i, pos - pad, diag_offset, seqlen_k, left, right, HAS_LEFT,
+                                                    HAS_RIGHT)
+            s2 = gl.where(ok, s2, float("-inf"))
+        elif (start < lo) | (start + BLOCK_N > hi):  # a tile with keys outside [lo, hi): the split's ends
+            s2 = gl.where((pos >= lo) & (pos < hi), s2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s2, 1))
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s2 - gl.expand_dims(m_sub, 1))
+        alpha = gl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = mma_v2(v_ring.index(slot).permute((0, 2, 1)).load(a_op), gl.convert_layout(p.to(dtype), b_op),
+                     acc * gl.expand_dims(alpha, 1))
+        m_i = m_new
+    async_copy.wait_group(0)
+
+    # the warps' states onto their common max, then summed over the warps through shared memory
+    m = gl.max(m_i, 0)
+    m_sub = gl.where(m == float("-inf"), 0.0, m)
+    scale = gl.exp2(m_i - gl.expand_dims(m_sub, 0))
+    l_sum = gl.convert_layout(gl.sum(l_i * scale, 0), gl.SliceLayout(1, out_l))
+    m = gl.convert_layout(m, gl.SliceLayout(1, out_l))
+    states = gl.allocate_shared_memory(gl.float32, [W, HEAD_DIM, BLOCK_M],
+                                       gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+    states.store(acc * gl.expand_dims(scale, 1))
+    gl.thread_barrier()
+    acc = gl.sum(states.permute((0, 2, 1)).load(red_l), 0)  # (rows, d)
+
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_l))
+    row_ok = rows < seqlen_q * GROUP
+    _split_epilogue(acc, l_sum, m, Out, Lse, OutF, LseF, Arrivals, Sink, b, rows // GROUP, kh * GROUP + rows % GROUP,
+                    offs_d, row_ok, row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], split, num_splits, stride_os,
+                    stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb, stride_lh, stride_lm, stride_fb,
+                    stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm, FUSED_COMBINE, MERGE_UNROLL,
+                    HAS_SINK)
+
+
+@gluon.jit
+def _copy_tile(K, V, k_slot, v_slot, table, start, warp0, keys, cols, k_cols, v_cols, lo, hi, cache_rows, stride_kb,
+               stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """Start the copies of the tile of keys [start, start + BLOCK_N) into a ring slot of
+    _split_kernel_warps: warp w's keys start + warp0 + [0, KW) (keys (W, KW, 1), warp0 (W, 1, 1)),
+    columns cols (1, 1, d); k_cols / v_cols: a contiguous cache's offsets of those keys and columns
+    from the tile's first. Paged, each warp's keys lie on one page (KW divides the page size), whose
+    index it reads once. Keys outside [lo, hi), or on a page outside k_cache, copy zeros and read
+    nothing; only the tiles at a split's ends have keys outside [lo, hi)."""
+    if PAGE_SIZE > 0:
+        page = gl.load(table + ((start + warp0) // PAGE_SIZE) * stride_tp)
+        page_ok = (page >= 0) & (page < cache_rows)
+        pos = start + keys
+        k_ptrs = K + page.to(gl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn + cols * stride_kd
+        v_ptrs = V + page.to(gl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn + cols * stride_vd
+        if (start < lo) | (start + BLOCK_N > hi):
+            ok = page_ok & (pos >= lo) & (pos < hi)
+            async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=ok)
+            async_copy.async_copy_global_to_shared(v_slot, v_ptrs, mask=ok)
+        else:
+            async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=page_ok)
+            async_copy.async_copy_global_to_shared(v_slot, v_ptrs, mask=page_ok)
+    else:
+        k_ptrs = K + start.to(gl.int64) * stride_kn + k_cols
+        v_ptrs = V + start.to(gl.int64) * stride_vn + v_cols
+        if (start < lo) | (start + BLOCK_N > hi):
+            pos = start + keys
+            ok = (pos >= lo) & (pos < hi)
+            async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=ok)
+            async_copy.async_copy_global_to_shared(v_slot, v_ptrs, mask=ok)
+        else:
+            async_copy.async_copy_global_to_shared(k_slot, k_ptrs)
+            async_copy.async_copy_global_to_shared(v_slot, v_ptrs)
+
+
+@triton.jit
+def _split_epilogue(acc, l_i, m_i, Out, Lse, OutF, LseF, Arrivals, Sink, b, i, head, offs_d, row_ok, row_mask, split,
+                    num_splits, stride_os, stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb,
+                    stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
+                    FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr):
+    """A split program's end, in either split kernel: its rows' (acc (rows, d), l_i, m_i), query i
+    and head per row, normalised into its partial (or, with one split, the output) with their LSE;
+    with FUSED_COMBINE the last program of its row of splits then merges them (the kernel's
+    docstring). Shaped by the caller's tensors, so a Gluon kernel passes its own layouts."""
     if HAS_SINK:
         if num_splits == 1:  # these rows are final; partials get the sink in the merge
             acc, l_i, m_i = fold_sink(acc, l_i, m_i, Sink, head)
@@ -332,7 +576,7 @@ def _split_kernel(
         if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(arrivals, 0)  # zero again for the next launch
             out, lse = _merge_splits(out_tile, lse_tile, stride_os, stride_ls, num_splits, row_ok, row_mask,
-                                     Sink, head, BLOCK_M, BLOCK_D, MERGE_UNROLL, HAS_SINK)
+                                     Sink, head, acc * 0.0, MERGE_UNROLL, HAS_SINK)
             OutF = OutF + b.to(tl.int64) * stride_fb
             tl.store(OutF + (i * stride_fm + head * stride_fh)[:, None] + offs_d[None, :] * stride_fd,
                      out.to(OutF.dtype.element_ty), mask=row_mask)
@@ -340,20 +584,21 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask, Sink, heads,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, HAS_SINK: tl.constexpr):
-    """(out (BLOCK_M, BLOCK_D), lse (BLOCK_M,)) of split 0's partial tile at OutP / LseP merged with
-    the num_splits - 1 after it (strides stride_s / stride_ls): the combine's online merge on one
-    program's tile of rows. UNROLL splits per step, so their loads are in flight together. The
-    partials were written by other programs of this launch: loads bypass L1 (.cg), which is not
-    coherent across SMs. HAS_SINK: the merge starts from the sink Sink[heads] (out 0, lse = sink)."""
+def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask, Sink, heads, acc,
+                  UNROLL: tl.constexpr, HAS_SINK: tl.constexpr):
+    """(out (rows, d), lse (rows,)) of split 0's partial tile at OutP / LseP merged with the
+    num_splits - 1 after it (strides stride_s / stride_ls): the combine's online merge on one
+    program's tile of rows. acc: zeros (rows, d) fp32 in the caller's layout (a Triton or a Gluon
+    kernel: everything else here is shaped by heads, one per row). UNROLL splits per step, so their
+    loads are in flight together. The partials were written by other programs of this launch:
+    loads bypass L1 (.cg), which is not coherent across SMs. HAS_SINK: the merge starts from the
+    sink Sink[heads] (out 0, lse = sink)."""
+    l = (heads * 0).to(tl.float32)
     if HAS_SINK:
         m = tl.load(Sink + heads).to(tl.float32)
-        l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        l = l + 1.0
     else:
-        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m = l - float("inf")
     for s0 in range(0, num_splits, UNROLL):
         for t in tl.static_range(UNROLL):
             s = s0 + t
@@ -489,6 +734,7 @@ class DecodeLaunch(NamedTuple):
     num_splits: int
     seqlen_new: int  # new keys each call appends (its k and v); 0: none
     split: Optional[Prepared]  # called with (q, k_cache, v_cache, k, v, out, lse, ...) and the first five's strides
+    split_any: Optional[Prepared]  # with split = _split_kernel_warps: _split_kernel for caches it cannot copy
     combine: Optional[Prepared]  # None with one split, or with the combine fused into the split kernel
     fused: bool  # the split kernel's last program per row merges the splits (arrival counters)
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
@@ -529,8 +775,16 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     left, right = window
     if sq == 1:
         right = -1  # one query row sits at the last key: nothing is to its right
-    cfg, num_splits = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk,
-                                           capacity if max_keys is None else max_keys, num_splits)
+    keys = capacity if max_keys is None else max_keys
+    warps = configs.decode_warp_tiles(sq * group, d, dtype, device, b * hk, keys, num_splits,
+                                      rotary_cos is not None, seqlen_new > 0)
+    if warps is not None:
+        cfg, num_splits = warps
+        # _split_kernel_warps copies rows of 16-byte pieces: a cache that is not (decode_attention)
+        # takes _split_kernel with the same splits
+        cfg_any, _ = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk, keys, num_splits)
+    else:
+        cfg, num_splits = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk, keys, num_splits)
     m_blocks = cdiv(sq * group, cfg.block_m)
     seqlens, seqlen_const = _seqlens_args(cache_seqlens)
     if rotary_cos is None:
@@ -566,23 +820,30 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             combine = prepare_combine(num_splits, d, (b, sq, h), (ps, pb, pm, ph, pd, qs, qb, qm, qh, ob, om, oh, od,
                                                                    lb, lm, lh, 0, 0, 1), has_sink, pdl)
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
-    split = None
+    split = split_any = None
     if b > 0:
-        split = Prepared(
-            _split_kernel, (num_splits, hk * m_blocks, b),
-            (seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin),
-            (*o_strides, *l_strides, *out_strides, *lse_strides, _stride0(seqlens), _stride0(cache_batch_idx), _stride0(cache_leftpad),
-             *table_strides, *alibi_strides(alibi_slopes), *rotary_strides,
-             seqlen_const, sq, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
-             max(left, 0), max(right, 0), qk_scale, softcap),
-            cfg.num_warps, cfg.num_stages, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-            ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
-            HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
-            MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
-            BLOCK_T=min(16, next_pow2(seqlen_new)), LAUNCH_COMBINE=pdl, **flags)
-    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, combine, fused, sizes, {}, {},
-                        has_sink)
+        flags.update(GROUP=group, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+                     ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
+                     HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
+                     MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
+                     BLOCK_T=min(16, next_pow2(seqlen_new)), LAUNCH_COMBINE=pdl)
+        fixed = ((seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin),
+                 (*o_strides, *l_strides, *out_strides, *lse_strides, _stride0(seqlens), _stride0(cache_batch_idx),
+                  _stride0(cache_leftpad), *table_strides, *alibi_strides(alibi_slopes), *rotary_strides,
+                  seqlen_const, sq, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
+                  max(left, 0), max(right, 0), qk_scale, softcap))
+
+        def prepare(kernel, tiles, stages, **more):
+            return Prepared(kernel, (num_splits, hk * m_blocks, b), *fixed, tiles.num_warps, stages, pdl,
+                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **flags, **more)
+
+        if warps is None:
+            split = prepare(_split_kernel, cfg, cfg.num_stages)
+        else:
+            split = prepare(_split_kernel_warps, cfg, None, STAGES=cfg.num_stages)
+            split_any = prepare(_split_kernel, cfg_any, cfg_any.num_stages)  # one M block with either tiles
+    return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, split_any, combine, fused, sizes,
+                        {}, {}, has_sink)
 
 
 def _scratch(p: DecodeLaunch, device, stream) -> tuple:
@@ -596,6 +857,14 @@ def _scratch(p: DecodeLaunch, device, stream) -> tuple:
         arrivals = torch.zeros(p.out_shape[0] * p.split.grid[1], dtype=torch.int32, device=device) if p.fused else None
         scratch = p.scratch[stream] = (buf, buf[p.partial_sizes[1]:], arrivals)
     return scratch
+
+
+def _whole_rows(cache: torch.Tensor) -> bool:
+    """Whether _split_kernel_warps can copy this cache's head rows in 16-byte pieces: the last
+    dimension contiguous, every other stride and the address multiples of 16 elements / bytes (what
+    Triton's specialisation tells the kernel)."""
+    s0, s1, s2, s3 = cache.stride()
+    return s3 == 1 and s0 % 16 == 0 and s1 % 16 == 0 and s2 % 16 == 0 and cache.data_ptr() % 16 == 0
 
 
 def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, k=None, v=None, want_lse: bool = True, sink=None):
@@ -632,8 +901,11 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, k=None, v=None, want_
     else:
         key += (k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
         new_strides = (*k.stride(), *v.stride())
-    p.split((q, k_cache, v_cache, k, v, o_buf, l_buf, *finals, sink),
-            (*q.stride(), *k_cache.stride(), *v_cache.stride(), *new_strides), stream, key)
+    split = p.split
+    if p.split_any is not None and not (_whole_rows(k_cache) and _whole_rows(v_cache)):
+        split = p.split_any
+    split((q, k_cache, v_cache, k, v, o_buf, l_buf, *finals, sink),
+          (*q.stride(), *k_cache.stride(), *v_cache.stride(), *new_strides), stream, key)
     if p.combine is not None:  # its tensors' key: the partials and lse are fp32, out q's dtype, all allocated here
         p.combine((o_buf, l_buf, out, lse, sink), (), stream, (key[0], key[4]))
     return out, lse if want_lse else None
