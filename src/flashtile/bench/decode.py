@@ -551,9 +551,11 @@ def plot(json_path: str, out_dir: str) -> list[str]:
 
 
 def main(argv=None) -> None:
+    global HEADDIM
     p = argparse.ArgumentParser(prog="flashtile bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="result folder (default benchmarks/results/<gpu>)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--headdim", type=int, default=HEADDIM, help=f"head dim of every shape (default {HEADDIM})")
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     p.add_argument("--tolerance", type=float, default=None,
                    help="max |flashtile - SDPA| before timing (default 4e-3 fp16, 3e-2 bf16: ~16 ulps)")
@@ -574,6 +576,7 @@ def main(argv=None) -> None:
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="write decode.json only (redraw later with --plot-only)")
     args = p.parse_args(argv)
+    HEADDIM = args.headdim  # every shape's
     if args.tolerance is None:
         args.tolerance = 4e-3 if args.dtype == "float16" else 3e-2
     out = args.out or os.path.join("benchmarks", "results", harness.gpu_slug())
