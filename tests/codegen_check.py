@@ -211,7 +211,7 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
                                 split=split or fused or launch_combine, one_round=one_round)
     kernel = decode._split_kernel
     if warps:
-        cfg = configs.BlockConfig(8, 4 * configs.DECODE_WARP_KEYS, 4, configs.DECODE_WARP_STAGES)
+        cfg = configs.BlockConfig(8, 4 * configs.DECODE_WARP_KEYS * 128 // d, 4, configs.DECODE_WARP_STAGES)
         kernel = decode._split_kernel_warps
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)

@@ -573,7 +573,7 @@ def test_reference_merge():
 
 
 def test_warp_kernel_dispatch(monkeypatch):
-    """configs.decode_warp_tiles: the Gluon split kernel on an sm_90 GPU for 16-bit d=128 caches, at
+    """configs.decode_warp_tiles: the Gluon split kernel on an sm_90 GPU for 16-bit d=64/128 caches, at
     most 16 query rows a KV head, no append or rotary, and at most one program an SM before
     splitting, which then fills the SMs once at >= 8 tiles a split; None (the Triton kernel)
     otherwise."""
@@ -590,8 +590,9 @@ def test_warp_kernel_dispatch(monkeypatch):
     assert tiles(kv_rows=2, keys=1000)[1] == 2  # >= 8 tiles of 64 keys a split
     assert tiles(kv_rows=2, keys=65536, splits=5)[1] == 5  # a given count is kept
     assert tiles(rows=16, dtype=torch.bfloat16)[0].block_m == 16
-    for other in (dict(kv_rows=133), dict(rows=17), dict(d=64), dict(dtype=torch.float32), dict(rotary=True),
-                  dict(append=True)):
+    assert tiles(d=64, kv_rows=32, keys=4096) == (configs.BlockConfig(8, 128, 4, 3), 4)  # 32 KB tiles
+    for other in (dict(kv_rows=133), dict(rows=17), dict(d=256), dict(d=80), dict(dtype=torch.float32),
+                  dict(rotary=True), dict(append=True)):
         assert tiles(**other) is None, other
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert tiles() is None

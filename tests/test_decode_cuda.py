@@ -129,7 +129,7 @@ def test_features(case, dtype):
     check_kvcache(3, 2, 16, 2, 128, 2048, 2, dtype, "cuda", **case)
 
 
-# (b, sq, h, hk, capacity), d = 128, no new keys: what ops.decode._split_kernel_warps takes (at most 16
+# (b, sq, h, hk, capacity), d = 128 unless given, no new keys: what ops.decode._split_kernel_warps takes (at most 16
 # query rows a KV head, b x hk <= the SMs; configs.decode_warp_tiles)
 WARP_SHAPES = {"gqa8": (4, 1, 16, 2, 4096), "gqa4": (8, 1, 32, 8, 2048), "mha": (3, 1, 8, 8, 1000),
                "spec2-gqa8-16-rows": (2, 2, 16, 2, 2000), "mqa8": (5, 1, 8, 1, 777)}
@@ -150,6 +150,11 @@ WARP_CASES = {
     "sink-fused": dict(shape=WARP_SHAPES["gqa4"], sink=True, num_splits=4),
     "plan-list": dict(shape=WARP_SHAPES["gqa4"], plan="list"),
     "strided-cache": dict(shape=WARP_SHAPES["gqa8"], cache_strided=True),
+    "d64-gqa4": dict(shape=WARP_SHAPES["gqa4"], d=64),
+    "d64-page16-causal-spec": dict(shape=WARP_SHAPES["spec2-gqa8-16-rows"], d=64, page_size=16, causal=True),
+    "d64-page48": dict(shape=WARP_SHAPES["gqa8"], d=64, page_size=48),  # 32 keys a warp: a page index a key
+    "d64-splits3-fused": dict(shape=WARP_SHAPES["mqa8"], d=64, num_splits=3),
+    "d64-splits64-combine": dict(shape=WARP_SHAPES["gqa8"], d=64, num_splits=64),
 }
 
 
@@ -162,14 +167,15 @@ def test_warp_kernel(case, dtype):
 
     case = dict(case)
     b, sq, h, hk, capacity = case.pop("shape")
-    check_kvcache(b, sq, h, hk, 128, capacity, 0, dtype, "cuda", **case)
+    d = case.pop("d", 128)
+    check_kvcache(b, sq, h, hk, d, capacity, 0, dtype, "cuda", **case)
     lengths = [capacity // 2] * b
-    plan = DecodePlan(b, h, (b + 2, capacity, hk, 128), torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+    plan = DecodePlan(b, h, (b + 2, capacity, hk, d), torch.tensor(lengths, dtype=torch.int32, device="cuda"),
                       dtype=dtype, device="cuda", seqlen_q=sq, num_splits=case.get("num_splits", 0))
     if torch.cuda.get_device_capability()[0] == 9:
         assert plan._launch.split.kernel is decode._split_kernel_warps
         assert plan._launch.split_any.kernel is decode._split_kernel
-    assert configs.decode_warp_tiles(sq * h // hk, 128, dtype, torch.device("cuda"), b * hk, capacity, 0, False,
+    assert configs.decode_warp_tiles(sq * h // hk, d, dtype, torch.device("cuda"), b * hk, capacity, 0, False,
                                      True) is None  # an append takes _split_kernel
 
 

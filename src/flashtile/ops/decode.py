@@ -451,7 +451,7 @@ def _split_kernel_warps(
         if t < n_tiles:
             _copy_tile(K, V, k_ring.index(t), v_ring.index(t), table, (blk_start + t) * BLOCK_N, c_warp, c_keys, c_d,
                        k_cols, v_cols, lo, hi, cache_rows, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                       stride_vd, stride_tp, PAGE_SIZE, BLOCK_N)
+                       stride_vd, stride_tp, PAGE_SIZE, BLOCK_N, KW)
         async_copy.commit_group()
 
     m_i = gl.full([W, BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
@@ -464,7 +464,7 @@ def _split_kernel_warps(
         if nxt < n_tiles:
             _copy_tile(K, V, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), table,
                        (blk_start + nxt) * BLOCK_N, c_warp, c_keys, c_d, k_cols, v_cols, lo, hi, cache_rows, stride_kb,
-                       stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE, BLOCK_N)
+                       stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE, BLOCK_N, KW)
         async_copy.commit_group()
         slot = t % STAGES
         qk = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([W, KW, BLOCK_M], gl.float32, mma))
@@ -512,17 +512,20 @@ def _split_kernel_warps(
 @gluon.jit
 def _copy_tile(K, V, k_slot, v_slot, table, start, warp0, keys, cols, k_cols, v_cols, lo, hi, cache_rows, stride_kb,
                stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE: gl.constexpr,
-               BLOCK_N: gl.constexpr):
+               BLOCK_N: gl.constexpr, KW: gl.constexpr):
     """Start the copies of the tile of keys [start, start + BLOCK_N) into a ring slot of
     _split_kernel_warps: warp w's keys start + warp0 + [0, KW) (keys (W, KW, 1), warp0 (W, 1, 1)),
     columns cols (1, 1, d); k_cols / v_cols: a contiguous cache's offsets of those keys and columns
-    from the tile's first. Paged, each warp's keys lie on one page (KW divides the page size), whose
-    index it reads once. Keys outside [lo, hi), or on a page outside k_cache, copy zeros and read
-    nothing; only the tiles at a split's ends have keys outside [lo, hi)."""
+    from the tile's first. Paged, a warp whose KW keys lie on one page (KW divides the page size)
+    reads its page index once, else each key its own. Keys outside [lo, hi), or on a page outside
+    k_cache, copy zeros and read nothing; only the tiles at a split's ends have keys outside [lo, hi)."""
     if PAGE_SIZE > 0:
-        page = gl.load(table + ((start + warp0) // PAGE_SIZE) * stride_tp)
-        page_ok = (page >= 0) & (page < cache_rows)
         pos = start + keys
+        if PAGE_SIZE % KW == 0:
+            page = gl.load(table + ((start + warp0) // PAGE_SIZE) * stride_tp)
+        else:
+            page = gl.load(table + (pos // PAGE_SIZE) * stride_tp)
+        page_ok = (page >= 0) & (page < cache_rows)
         k_ptrs = K + page.to(gl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn + cols * stride_kd
         v_ptrs = V + page.to(gl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn + cols * stride_vd
         if (start < lo) | (start + BLOCK_N > hi):
