@@ -4,6 +4,7 @@
     python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout] [--varlen] [--sink]
         (the Gluon Hopper kernels, --sink the forward only: ptxas's report)
     python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine] [--fused] [--split] [--one-round] [--warps]
+        [--rotary]
         (the decoding split kernel, fp16, 16 q / 2 kv heads, --fused with the merge of 64 splits in
         it, --split with the tiles of a launch that splits: registers, spills, shared memory,
         whether it lets a dependent launch start, atomics)
@@ -200,13 +201,14 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
 
 
 def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False, fused: bool = False,
-                   split: bool = False, one_round: bool = False, warps: bool = False):
+                   split: bool = False, one_round: bool = False, warps: bool = False, rotary: bool = False):
     """ops.decode._split_kernel as plan() launches it for an fp16 decoding step over a cache with
     16 q / 2 kv heads (one query row, one split, or with `fused` 64 splits merged by the kernel):
     int32 cache_seqlens, a block table when paged, new k/v rows to append with `append`. A launch
     that splits (split, fused, launch_combine) takes configs.decode_config's split tiles, an unsplit
     one of one round of programs (one_round) its one-round tiles. warps: _split_kernel_warps (the
-    Gluon kernel) with configs.decode_warp_tiles' tiles instead."""
+    Gluon kernel) with configs.decode_warp_tiles' tiles instead; rotary: q and the new keys rotated
+    on all d dims (GPT-J pairs)."""
     cfg = configs.decode_config(8, d, torch.float16, page_size, torch.device("cuda"),
                                 split=split or fused or launch_combine, one_round=one_round)
     kernel = decode._split_kernel
@@ -222,6 +224,9 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
                  MERGE_UNROLL=configs.DECODE_MERGE_UNROLL,
                  HAS_SINK=False, APPEND=append, BLOCK_T=1, LAUNCH_COMBINE=launch_combine,
                  Sink=None, BatchIdx=None, LeftPad=None, Slopes=None, Cos=None, Sin=None)
+    if rotary:
+        const.update(ROTARY_DIM=d, ROTARY_INTERLEAVED=True)
+        del const["Cos"], const["Sin"]
     if not fused:
         const.update(OutF=None, LseF=None, Arrivals=None)
     if not page_size:
@@ -327,7 +332,8 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv[0] == "decode":
         compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv, "--launch-combine" in argv,
-                                  "--fused" in argv, "--split" in argv, "--one-round" in argv, "--warps" in argv)
+                                  "--fused" in argv, "--split" in argv, "--one-round" in argv, "--warps" in argv,
+                                  "--rotary" in argv)
         print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared,
                               launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
                               acq_rel_atomics=compiled.asm["ptx"].count(".acq_rel.add"))))

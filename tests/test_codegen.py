@@ -204,14 +204,17 @@ def test_decoding_fused_merge_compiles_beside_the_loop(page_size):
 
 
 @pytest.mark.parametrize("d,page_size,flag", [(128, 0, None), (128, 0, "--fused"), (128, 0, "--launch-combine"),
-                                               (128, 16, None), (128, 64, "--fused"), (64, 0, None), (64, 48, None)],
-                         ids=["contiguous", "fused", "launch-combine", "page16", "page64-fused", "d64", "d64-page48"])
+                                               (128, 16, None), (128, 64, "--fused"), (64, 0, None), (64, 48, None),
+                                               (128, 16, "--append"), (64, 0, "--append --rotary")],
+                         ids=["contiguous", "fused", "launch-combine", "page16", "page64-fused", "d64", "d64-page48",
+                              "page16-append", "d64-append-rotary"])
 def test_decoding_warp_kernel_compiles(d, page_size, flag):
     """The Gluon split kernel (ops.decode._split_kernel_warps, each warp on keys of its own)
     compiles for sm_90 on every path plan() gives it: no spills, its 3-tile cp.async ring in 96 KB
-    of shared memory at d=64 and 128 (the warps' states reuse the ring), the fused
+    of shared memory at d=64 and 128 (the warps' states reuse the ring), with the append and rotary
+    too, the fused
     merge's one acq_rel arrival, the combine kernel let start early."""
-    flags = (flag,) if flag else ()
+    flags = tuple(flag.split()) if flag else ()
     ops = memory_ops("decode", d, str(page_size), "--warps", *flags)
     assert ops["spill_bytes"] == 0 and ops["shared_bytes"] == 3 * 32 * 1024, ops  # 3 tiles of K and V, 32 KB each
     assert ops["acq_rel_atomics"] == (flag == "--fused"), ops

@@ -574,15 +574,15 @@ def test_reference_merge():
 
 def test_warp_kernel_dispatch(monkeypatch):
     """configs.decode_warp_tiles: the Gluon split kernel on an sm_90 GPU for 16-bit d=64/128 caches, at
-    most 16 query rows a KV head, no append or rotary, and at most one program an SM before
+    most 16 query rows a KV head, and at most one program an SM before
     splitting, which then fills the SMs once at >= 8 tiles a split; None (the Triton kernel)
     otherwise."""
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     monkeypatch.setattr(configs, "num_sms", lambda device: 132)
     gpu, fp16 = torch.device("cuda", 0), torch.float16
 
-    def tiles(rows=8, d=128, dtype=fp16, kv_rows=128, keys=1024, splits=0, rotary=False, append=False):
-        return configs.decode_warp_tiles(rows, d, dtype, gpu, kv_rows, keys, splits, rotary, append)
+    def tiles(rows=8, d=128, dtype=fp16, kv_rows=128, keys=1024, splits=0):
+        return configs.decode_warp_tiles(rows, d, dtype, gpu, kv_rows, keys, splits)
 
     assert tiles() == (configs.BlockConfig(8, 64, 4, 3), 1)  # 64 x 1024, 16 / 2 heads: one program an SM
     assert tiles(kv_rows=32, keys=4096)[1] == 4  # 16 x 4096
@@ -591,9 +591,8 @@ def test_warp_kernel_dispatch(monkeypatch):
     assert tiles(kv_rows=2, keys=65536, splits=5)[1] == 5  # a given count is kept
     assert tiles(rows=16, dtype=torch.bfloat16)[0].block_m == 16
     assert tiles(d=64, kv_rows=32, keys=4096) == (configs.BlockConfig(8, 128, 4, 3), 4)  # 32 KB tiles
-    for other in (dict(kv_rows=133), dict(rows=17), dict(d=256), dict(d=80), dict(dtype=torch.float32),
-                  dict(rotary=True), dict(append=True)):
+    for other in (dict(kv_rows=133), dict(rows=17), dict(d=256), dict(d=80), dict(dtype=torch.float32)):
         assert tiles(**other) is None, other
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert tiles() is None
-    assert configs.decode_warp_tiles(8, 128, fp16, torch.device("cpu"), 128, 1024, 0, False, False) is None
+    assert configs.decode_warp_tiles(8, 128, fp16, torch.device("cpu"), 128, 1024, 0) is None

@@ -129,7 +129,7 @@ def test_features(case, dtype):
     check_kvcache(3, 2, 16, 2, 128, 2048, 2, dtype, "cuda", **case)
 
 
-# (b, sq, h, hk, capacity), d = 128 unless given, no new keys: what ops.decode._split_kernel_warps takes (at most 16
+# (b, sq, h, hk, capacity), d = 128 and no new keys unless given: what ops.decode._split_kernel_warps takes (at most 16
 # query rows a KV head, b x hk <= the SMs; configs.decode_warp_tiles)
 WARP_SHAPES = {"gqa8": (4, 1, 16, 2, 4096), "gqa4": (8, 1, 32, 8, 2048), "mha": (3, 1, 8, 8, 1000),
                "spec2-gqa8-16-rows": (2, 2, 16, 2, 2000), "mqa8": (5, 1, 8, 1, 777)}
@@ -155,6 +155,14 @@ WARP_CASES = {
     "d64-page48": dict(shape=WARP_SHAPES["gqa8"], d=64, page_size=48),  # 32 keys a warp: a page index a key
     "d64-splits3-fused": dict(shape=WARP_SHAPES["mqa8"], d=64, num_splits=3),
     "d64-splits64-combine": dict(shape=WARP_SHAPES["gqa8"], d=64, num_splits=64),
+    "append": dict(shape=WARP_SHAPES["gqa8"], s_new=1),
+    "append-spec2-causal": dict(shape=WARP_SHAPES["spec2-gqa8-16-rows"], s_new=2, causal=True),
+    "append-page16-splits8": dict(shape=WARP_SHAPES["gqa4"], s_new=1, page_size=16, num_splits=8),
+    "append-rotary-gptj-plan": dict(shape=WARP_SHAPES["gqa8"], s_new=1, rotary=(128, True), causal=True,
+                                    plan="tensor"),
+    "append-rotary-neox-partial-d64": dict(shape=WARP_SHAPES["gqa4"], d=64, s_new=1, rotary=(32, False)),
+    "append-rotary-neox-leftpad-spec2": dict(shape=WARP_SHAPES["spec2-gqa8-16-rows"], s_new=2, rotary=(128, False),
+                                             leftpad=True, causal=True),
 }
 
 
@@ -167,16 +175,15 @@ def test_warp_kernel(case, dtype):
 
     case = dict(case)
     b, sq, h, hk, capacity = case.pop("shape")
-    d = case.pop("d", 128)
-    check_kvcache(b, sq, h, hk, d, capacity, 0, dtype, "cuda", **case)
+    d, s_new = case.pop("d", 128), case.pop("s_new", 0)
+    check_kvcache(b, sq, h, hk, d, capacity, s_new, dtype, "cuda", **case)
     lengths = [capacity // 2] * b
     plan = DecodePlan(b, h, (b + 2, capacity, hk, d), torch.tensor(lengths, dtype=torch.int32, device="cuda"),
-                      dtype=dtype, device="cuda", seqlen_q=sq, num_splits=case.get("num_splits", 0))
+                      dtype=dtype, device="cuda", seqlen_q=sq, seqlen_new=s_new, num_splits=case.get("num_splits", 0))
     if torch.cuda.get_device_capability()[0] == 9:
         assert plan._launch.split.kernel is decode._split_kernel_warps
         assert plan._launch.split_any.kernel is decode._split_kernel
-    assert configs.decode_warp_tiles(sq * h // hk, d, dtype, torch.device("cuda"), b * hk, capacity, 0, False,
-                                     True) is None  # an append takes _split_kernel
+    assert configs.decode_warp_tiles(17, d, dtype, torch.device("cuda"), b * hk, capacity, 0) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])

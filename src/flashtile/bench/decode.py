@@ -279,13 +279,13 @@ def _graph_us(fn, q, buffers, **bench) -> float:
     return harness.bench_ms(graph.replay, **bench) * 1e3 / len(buffers)
 
 
-def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1, append=False) -> int:
+def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
     """The num_splits flashtile's heuristic picks for this shape (recorded with each row), as
     ops.decode.plan picks it: configs.decode_warp_tiles' where the Gluon split kernel runs."""
     from flashtile.ops import configs
 
     device = torch.device(DEVICE)
-    warps = configs.decode_warp_tiles(sq * h // hk, HEADDIM, dtype, device, batch * hk, context, 0, False, append)
+    warps = configs.decode_warp_tiles(sq * h // hk, HEADDIM, dtype, device, batch * hk, context, 0)
     if warps is not None:
         return warps[1]
     return configs.decode_tiles(sq * h // hk, HEADDIM, dtype, page_size, device, batch * hk, context)[1]
@@ -318,7 +318,7 @@ def run(args, path: str | None = None) -> dict:
                 if name.startswith("flashtile"):
                     page = int(re.search(r"page(\d+)", name).group(1)) if "page" in name else 0
                     row["num_splits"] = 1 if name == "flashtile-nosplit" else chosen_splits(
-                        batch, context, h, hk, dtype, page, sq, "append" in name)
+                        batch, context, h, hk, dtype, page, sq)
                     err = check(q, *buffers[0])
                     row["max_err_vs_sdpa"] = err
                     if not err <= args.tolerance:

@@ -473,11 +473,11 @@ DECODE_WARP_STAGES = 3  # its tiles in flight (cp.async)
 
 
 def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.device, kv_rows: int, max_keys: int,
-                      num_splits: int, rotary: bool, append: bool) -> tuple[BlockConfig, int] | None:
+                      num_splits: int) -> tuple[BlockConfig, int] | None:
     """(tiles, splits) for ops.decode._split_kernel_warps (each warp on keys of its own) where it
     measured faster than _split_kernel, else None: on sm_90, fp16 / bf16, d=64 or 128, at most 16 query
-    rows a KV head (rows = seqlen_q x nheads / nheads_k), no append and no rotary (the Triton kernel
-    does those), and a grid of at most one program per SM (kv_rows = batch x nheads_k programs,
+    rows a KV head (rows = seqlen_q x nheads / nheads_k), and a grid of at most one program per SM
+    (kv_rows = batch x nheads_k programs,
     times the splits). Its warps' chains being short, one program an SM with 3 tiles in flight
     reads at ~94% of the read floor, where _split_kernel needs two or more programs an SM and then
     splits (and merges) twice as much. With num_splits = 0 the keys are cut so the grid fills the
@@ -489,7 +489,7 @@ def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.devic
     splits), 16 x 4096 in 4 splits 25.0, 1 x 65536 in 64 splits 25.3, against a read floor of 23.5;
     past one round the Triton kernel stays ahead (256 x 256: 26.9 against its 26.2)."""
     if (device.type != "cuda" or capability(device)[0] != 9 or dtype not in (torch.float16, torch.bfloat16)
-            or d not in (64, 128) or rows > 16 or rotary or append):
+            or d not in (64, 128) or rows > 16):
         return None
     block_m = 8 if rows <= 8 else 16
     sms = num_sms(device)

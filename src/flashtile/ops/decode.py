@@ -8,8 +8,8 @@ Three kernels, each a plain stream over HBM:
                    written into the cache, through the page table, by the same launch (APPEND):
                    each program writes those it reads, before it reads them
   _split_kernel_warps  the same launch in Gluon, each warp on keys of its own (sm_90, 16-bit
-                   d=128, no append or rotary, a grid of at most one program an SM before it
-                   splits: configs.decode_warp_tiles); the same helpers and epilogue
+                   d=64/128, a grid of at most one program an SM before it splits:
+                   configs.decode_warp_tiles); the same helpers, append and epilogue
   _combine_kernel  out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s (seed 004's
                    kernel 2); splits with lse = -inf (nothing seen) contribute nothing. Up to
                    configs.DECODE_FUSED_MAX_SPLITS splits the split kernel's last program of a row
@@ -112,19 +112,20 @@ def _cache_rows(pos, first, ok, table, cache_rows, stride_kb, stride_kn, stride_
 @triton.jit
 def _append_rows(KNew, VNew, K, V, table, n_cache, t_first, t_last, capacity, cache_rows, rows_ok,
                  stride_nt, stride_nd, stride_wt, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                 stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len, offs_t0,
+                 offs_d, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr):
     """Write new rows of one (batch, kv head): KNew[t] -> cache position n_cache + t (rotary at that
-    position), VNew[t] likewise, for t in [t_first, t_last).
+    position), VNew[t] likewise, for t in [t_first, t_last), BLOCK_T at a time.
 
     K, V: the cache at this kv head (and, contiguous, at this sequence); table: this row's page
     table. rows_ok: False for a sequence outside k_cache. A row at a position outside
-    [0, capacity) or on a page outside k_cache is not written (see _split_kernel).
+    [0, capacity) or on a page outside k_cache is not written (see _split_kernel). offs_t0 =
+    arange(BLOCK_T) and offs_d = arange(BLOCK_D), in the layouts of the calling kernel's (BLOCK_T,
+    BLOCK_D) tile (Triton's or a Gluon kernel's: everything here is shaped by them).
     """
-    offs_d = tl.arange(0, BLOCK_D)
     for t0 in tl.range(t_first, t_last, BLOCK_T, num_stages=1):  # not pipelined: no shared memory of its own
-        offs_t = t0 + tl.arange(0, BLOCK_T)
+        offs_t = t0 + offs_t0
         pos = n_cache + offs_t
         ok = (offs_t < t_last) & (pos >= 0) & (pos < capacity) & rows_ok
         ok, k_rows, v_rows = _cache_rows(pos, n_cache + t0, ok, table, cache_rows, stride_kb, stride_kn, stride_vb,
@@ -137,6 +138,75 @@ def _append_rows(KNew, VNew, K, V, table, n_cache, t_first, t_last, capacity, ca
         v = tl.load(VNew + offs_t[:, None] * stride_wt + offs_d[None, :] * stride_wd, mask=mask)
         tl.store(K + k_rows[:, None] + offs_d[None, :] * stride_kd, k.to(K.dtype.element_ty), mask=mask)
         tl.store(V + v_rows[:, None] + offs_d[None, :] * stride_vd, v, mask=mask)
+
+
+@triton.jit
+def _split_keys(Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity,
+                cache_rows, num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
+    """What a split program of (batch b, M block at start_m) reads, in either split kernel: (n_given,
+    n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end). The keys any row of
+    the M block can see are the logical [lo - pad, hi - pad), physical [lo, hi); this split's share is
+    tiles [blk_start, blk_end) of BLOCK_N physical positions. Every index is clamped into the tensors
+    it addresses (_split_kernel's docstring)."""
+    if HAS_SEQLENS:
+        n_given = tl.load(Seqlens + b * stride_sl)
+        n_cache = tl.minimum(tl.maximum(n_given, 0), capacity)
+    else:
+        n_given = seqlen_const  # a host int: always checked
+        n_cache = n_given
+    pad = 0
+    if HAS_LEFTPAD:
+        pad = tl.minimum(tl.maximum(tl.load(LeftPad + b * stride_lp), 0), n_cache)
+    cb = b
+    cb_ok = True
+    if HAS_BATCH_IDX:  # contiguous caches only (the API rejects it with a block_table)
+        cb = tl.load(BatchIdx + b * stride_bi)
+        cb_ok = (cb >= 0) & (cb < cache_rows)  # if not, the row gets no keys (below): nothing is read
+    seqlen_k = n_cache - pad + seqlen_new
+    diag_offset = seqlen_k - seqlen_q
+
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(start_m // GROUP + diag_offset - left, 0)
+    if HAS_RIGHT:
+        last_i = tl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+        hi = tl.minimum(hi, tl.maximum(last_i + diag_offset + right + 1, 0))
+    hi = tl.minimum(hi + pad, capacity)
+    if HAS_BATCH_IDX:
+        hi = tl.where(cb_ok, hi, 0)  # a sequence outside k_cache: no keys
+    lo = tl.minimum(lo + pad, hi)  # 0 <= lo <= hi <= capacity: every tile starts inside the cache
+    first_blk = lo // BLOCK_N
+    n_blk = tl.cdiv(hi, BLOCK_N) - first_blk
+    per_split = tl.cdiv(n_blk, num_splits)
+    blk_start = first_blk + split * per_split
+    blk_end = tl.minimum(blk_start + per_split, first_blk + n_blk)
+    return n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end
+
+
+@triton.jit
+def _split_append(Knew, Vnew, K, V, table, b, kh, split, start_m, n_given, n_cache, lo, hi, blk_start, blk_end,
+                  seqlen_new, capacity, cache_rows, cb_ok, stride_nb, stride_nt, stride_nh, stride_nd, stride_wb,
+                  stride_wt, stride_wh, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                  stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len, offs_t0, offs_d,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr):
+    """APPEND, in either split kernel: before its loop a program writes the new rows its split reads
+    into the cache, and the programs of split 0, M block 0 write every new row (one a window hides
+    from every query is still appended); the caller's barrier then makes them visible to all its
+    threads (_split_kernel's docstring). K, V: the cache at this kv head (contiguous: and sequence)."""
+    t_first = tl.maximum(tl.maximum(blk_start * BLOCK_N, lo) - n_cache, 0)
+    t_last = tl.minimum(tl.minimum(blk_end * BLOCK_N, hi) - n_cache, seqlen_new)
+    if (split == 0) & (start_m == 0):
+        t_first = 0
+        t_last = seqlen_new
+    _append_rows(Knew + b.to(tl.int64) * stride_nb + kh * stride_nh, Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh,
+                 K, V, table, n_given, t_first, t_last, capacity, cache_rows, cb_ok, stride_nt, stride_nd, stride_wt,
+                 stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, Cos, Sin,
+                 stride_cr, stride_cc, stride_sr, stride_sc, rotary_len, offs_t0, offs_d, HEAD_DIM, BLOCK_T,
+                 PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, EVEN_D)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -199,22 +269,10 @@ def _split_kernel(
     start_m = (tl.program_id(1) % m_blocks) * BLOCK_M
     b = tl.program_id(2)
 
-    if HAS_SEQLENS:
-        n_given = tl.load(Seqlens + b * stride_sl)
-        n_cache = tl.minimum(tl.maximum(n_given, 0), capacity)
-    else:
-        n_given = seqlen_const  # a host int: always checked
-        n_cache = n_given
-    pad = 0
-    if HAS_LEFTPAD:
-        pad = tl.minimum(tl.maximum(tl.load(LeftPad + b * stride_lp), 0), n_cache)
-    cb = b
-    cb_ok = True
-    if HAS_BATCH_IDX:  # contiguous caches only (the API rejects it with a block_table)
-        cb = tl.load(BatchIdx + b * stride_bi)
-        cb_ok = (cb >= 0) & (cb < cache_rows)  # if not, the row gets no keys (below): nothing is read
-    seqlen_k = n_cache - pad + seqlen_new
-    diag_offset = seqlen_k - seqlen_q
+    n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end = _split_keys(
+        Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows,
+        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+        HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     i = rows // GROUP
@@ -242,25 +300,6 @@ def _split_kernel(
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_slope_b + head * stride_slope_h)[:, None]
 
-    # The keys any row of this M block can see (logical), then this split's share, in whole tiles
-    # of physical positions.
-    lo = 0
-    hi = seqlen_k
-    if HAS_LEFT:
-        lo = tl.maximum(start_m // GROUP + diag_offset - left, 0)
-    if HAS_RIGHT:
-        last_i = tl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-        hi = tl.minimum(hi, tl.maximum(last_i + diag_offset + right + 1, 0))
-    hi = tl.minimum(hi + pad, capacity)
-    if HAS_BATCH_IDX:
-        hi = tl.where(cb_ok, hi, 0)  # a sequence outside k_cache: no keys
-    lo = tl.minimum(lo + pad, hi)  # 0 <= lo <= hi <= capacity: every tile starts inside the cache
-    first_blk = lo // BLOCK_N
-    n_blk = tl.cdiv(hi, BLOCK_N) - first_blk
-    per_split = tl.cdiv(n_blk, num_splits)
-    blk_start = first_blk + split * per_split
-    blk_end = tl.minimum(blk_start + per_split, first_blk + n_blk)
-
     table = BlockTable  # None for a contiguous cache
     if PAGE_SIZE > 0:
         table = BlockTable + b.to(tl.int64) * stride_tb
@@ -270,17 +309,12 @@ def _split_kernel(
     K = K + kh * stride_kh
     V = V + kh * stride_vh
     if APPEND:
-        t_first = tl.maximum(tl.maximum(blk_start * BLOCK_N, lo) - n_cache, 0)
-        t_last = tl.minimum(tl.minimum(blk_end * BLOCK_N, hi) - n_cache, seqlen_new)
-        if (split == 0) & (start_m == 0):
-            t_first = 0
-            t_last = seqlen_new
-        _append_rows(Knew + b.to(tl.int64) * stride_nb + kh * stride_nh,
-                     Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh, K, V, table, n_given, t_first, t_last,
-                     capacity, cache_rows, cb_ok, stride_nt, stride_nd, stride_wt, stride_wd, stride_kb, stride_kn,
-                     stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr,
-                     stride_sc, rotary_len, HEAD_DIM, BLOCK_D, BLOCK_T, PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED,
-                     EVEN_D)
+        _split_append(Knew, Vnew, K, V, table, b, kh, split, start_m, n_given, n_cache, lo, hi, blk_start, blk_end,
+                      seqlen_new, capacity, cache_rows, cb_ok, stride_nb, stride_nt, stride_nh, stride_nd, stride_wb,
+                      stride_wt, stride_wh, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+                      stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len,
+                      tl.arange(0, BLOCK_T), offs_d, HEAD_DIM, BLOCK_N, BLOCK_T, PAGE_SIZE, ROTARY_DIM,
+                      ROTARY_INTERLEAVED, EVEN_D)
         tl.debug_barrier()  # this program's new rows are in the cache for all its threads
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -316,7 +350,8 @@ def _split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    _split_epilogue(acc, l_i, m_i, Out, Lse, OutF, LseF, Arrivals, Sink, b, i, head, offs_d, row_ok, row_mask, split,
+    _split_epilogue(acc, l_i, m_i, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), Out, Lse, OutF, LseF, Arrivals,
+                    Sink, b, i, head, offs_d, row_ok, row_mask, split,
                     num_splits, stride_os, stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb,
                     stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
                     FUSED_COMBINE, MERGE_UNROLL, HAS_SINK)
@@ -347,8 +382,8 @@ def _split_kernel_warps(
     APPEND: gl.constexpr, BLOCK_T: gl.constexpr, LAUNCH_COMBINE: gl.constexpr, STAGES: gl.constexpr,
 ):
     """_split_kernel (same arguments, grid and outputs) with each warp on keys of its own: the
-    Gluon form that configs.decode_warp_tiles picks where it measured faster (sm_90, fp16/bf16, a
-    head dim of 64-256 in whole 16-byte rows, at most 16 query rows a program, no append, no rotary).
+    Gluon form that configs.decode_warp_tiles picks where it measured faster (sm_90, fp16/bf16, d=64
+    or 128, at most 16 query rows a program).
 
     _split_kernel's tl.dot spreads a tile's keys over its warps, so every tile's row max, row sum
     and P go between warps through shared memory: 9 barriers a tile, and a warp's chain of ~300
@@ -358,8 +393,9 @@ def _split_kernel_warps(
     tile, and the warps' states merge once, after the loop. The products are turned round, S^T = K
     Q^T and O^T = V^T P^T, so the query rows are the MMA's N side, 8 at a time: no rows padded to
     16, and P^T goes from the first product's accumulator into the second's operand in registers.
-    Masks, pages, lengths and the epilogue are _split_kernel's, through the same helpers."""
-    gl.static_assert(not APPEND and ROTARY_DIM == 0 and EVEN_D, "the Triton split kernel takes these")
+    Key ranges, the append, rotary, masks, pages and the epilogue are _split_kernel's, through the
+    same helpers."""
+    gl.static_assert(EVEN_D, "whole 16-byte rows only")
     W: gl.constexpr = gl.num_warps()
     KW: gl.constexpr = BLOCK_N // W  # keys a warp takes of each tile
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
@@ -379,37 +415,10 @@ def _split_kernel_warps(
     start_m = (gl.program_id(1) % m_blocks) * BLOCK_M
     b = gl.program_id(2)
 
-    if HAS_SEQLENS:
-        n_cache = gl.minimum(gl.maximum(gl.load(Seqlens + b * stride_sl), 0), capacity)
-    else:
-        n_cache = seqlen_const
-    pad = 0
-    if HAS_LEFTPAD:
-        pad = gl.minimum(gl.maximum(gl.load(LeftPad + b * stride_lp), 0), n_cache)
-    cb = b
-    cb_ok = True
-    if HAS_BATCH_IDX:
-        cb = gl.load(BatchIdx + b * stride_bi)
-        cb_ok = (cb >= 0) & (cb < cache_rows)
-    seqlen_k = n_cache - pad + seqlen_new
-    diag_offset = seqlen_k - seqlen_q
-
-    lo = 0
-    hi = seqlen_k
-    if HAS_LEFT:
-        lo = gl.maximum(start_m // GROUP + diag_offset - left, 0)
-    if HAS_RIGHT:
-        last_i = gl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-        hi = gl.minimum(hi, gl.maximum(last_i + diag_offset + right + 1, 0))
-    hi = gl.minimum(hi + pad, capacity)
-    if HAS_BATCH_IDX:
-        hi = gl.where(cb_ok, hi, 0)
-    lo = gl.minimum(lo + pad, hi)
-    first_blk = lo // BLOCK_N
-    n_blk = gl.cdiv(hi, BLOCK_N) - first_blk
-    per_split = gl.cdiv(n_blk, num_splits)
-    blk_start = first_blk + split * per_split
-    blk_end = gl.minimum(blk_start + per_split, first_blk + n_blk)
+    n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end = _split_keys(
+        Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows,
+        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+        HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD)
     n_tiles = gl.maximum(blk_end - blk_start, 0)
 
     table = BlockTable
@@ -420,15 +429,42 @@ def _split_kernel_warps(
         V = V + cb.to(gl.int64) * stride_vb
     K = K + kh * stride_kh
     V = V + kh * stride_vh
+    # a (rows or new keys, d) tile for the append and a rotated q: a row's 16-byte pieces across lanes
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // HEAD_DIM, HEAD_DIM // 8], [1, W, 1], [2, 1, 0])
+    if APPEND:
+        _split_append(Knew, Vnew, K, V, table, b, kh, split, start_m, n_given, n_cache, lo, hi, blk_start, blk_end,
+                      seqlen_new, capacity, cache_rows, cb_ok, stride_nb, stride_nt, stride_nh, stride_nd, stride_wb,
+                      stride_wt, stride_wh, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+                      stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len,
+                      gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, gl.SliceLayout(0, rows_l))),
+                      gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(0, rows_l))), HEAD_DIM, BLOCK_N,
+                      BLOCK_T, PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, EVEN_D)
+        gl.thread_barrier()  # this program's new rows are in the cache for all its threads
 
     # Q^T (W, d, rows), every warp's the same: row r is query r // GROUP of head kh GROUP + r % GROUP
-    q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_op)))
-    q_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_op)))
-    q_w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_op)))
-    q_ptr = (Q + b.to(gl.int64) * stride_qb + (q_rows // GROUP) * stride_qm + (kh * GROUP + q_rows % GROUP) * stride_qh)
-    q_ok = (q_rows < seqlen_q * GROUP)[None, None, :] & (q_w < W)[:, None, None]
-    q_t = gl.load(q_ptr[None, None, :] + (q_d * stride_qd)[None, :, None] + 0 * q_w[:, None, None], mask=q_ok,
-                  other=0.0)
+    if ROTARY_DIM > 0:
+        # rotated as _split_kernel rotates it, in (rows, d), then turned into the operand's layout
+        r_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(0, rows_l)))
+        r_i = r_rows // GROUP
+        r_ptr = Q + b.to(gl.int64) * stride_qb + (r_i * stride_qm + (kh * GROUP + r_rows % GROUP) * stride_qh)[:, None]
+        if ROTARY_BY_ROW:
+            q_pos = n_cache + r_i
+        else:
+            q_pos = n_cache + r_i * 0
+        q2 = _load_rope(r_ptr, gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(0, rows_l))),
+                        stride_qd, (r_rows < seqlen_q * GROUP)[:, None], Cos, Sin, stride_cr, stride_cc, stride_sr,
+                        stride_sc, q_pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
+        q3 = gl.expand_dims(q2.to(dtype), 0) + gl.zeros([W, BLOCK_M, HEAD_DIM], dtype, rows_l)
+        q_t = gl.convert_layout(gl.permute(q3, (0, 2, 1)), b_op)
+    else:
+        q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_op)))
+        q_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_op)))
+        q_w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_op)))
+        q_ptr = (Q + b.to(gl.int64) * stride_qb + (q_rows // GROUP) * stride_qm
+                 + (kh * GROUP + q_rows % GROUP) * stride_qh)
+        q_ok = (q_rows < seqlen_q * GROUP)[None, None, :] & (q_w < W)[:, None, None]
+        q_t = gl.load(q_ptr[None, None, :] + (q_d * stride_qd)[None, :, None] + 0 * q_w[:, None, None], mask=q_ok,
+                      other=0.0)
 
     # the rows and keys of the scores (W, KW, rows), for the masks
     s_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
@@ -502,7 +538,8 @@ def _split_kernel_warps(
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_l))
     row_ok = rows < seqlen_q * GROUP
-    _split_epilogue(acc, l_sum, m, Out, Lse, OutF, LseF, Arrivals, Sink, b, rows // GROUP, kh * GROUP + rows % GROUP,
+    _split_epilogue(acc, l_sum, m, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, out_l), Out, Lse, OutF, LseF, Arrivals,
+                    Sink, b, rows // GROUP, kh * GROUP + rows % GROUP,
                     offs_d, row_ok, row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], split, num_splits, stride_os,
                     stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb, stride_lh, stride_lm, stride_fb,
                     stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm, FUSED_COMBINE, MERGE_UNROLL,
@@ -549,12 +586,14 @@ def _copy_tile(K, V, k_slot, v_slot, table, start, warp0, keys, cols, k_cols, v_
 
 
 @triton.jit
-def _split_epilogue(acc, l_i, m_i, Out, Lse, OutF, LseF, Arrivals, Sink, b, i, head, offs_d, row_ok, row_mask, split,
+def _split_epilogue(acc, l_i, m_i, zeros, Out, Lse, OutF, LseF, Arrivals, Sink, b, i, head, offs_d, row_ok, row_mask,
+                    split,
                     num_splits, stride_os, stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb,
                     stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
                     FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr):
     """A split program's end, in either split kernel: its rows' (acc (rows, d), l_i, m_i), query i
     and head per row, normalised into its partial (or, with one split, the output) with their LSE;
+    zeros: (rows, d) fp32 zeros in acc's layout, where the fused merge starts;
     with FUSED_COMBINE the last program of its row of splits then merges them (the kernel's
     docstring). Shaped by the caller's tensors, so a Gluon kernel passes its own layouts."""
     if HAS_SINK:
@@ -579,7 +618,7 @@ def _split_epilogue(acc, l_i, m_i, Out, Lse, OutF, LseF, Arrivals, Sink, b, i, h
         if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(arrivals, 0)  # zero again for the next launch
             out, lse = _merge_splits(out_tile, lse_tile, stride_os, stride_ls, num_splits, row_ok, row_mask,
-                                     Sink, head, acc * 0.0, MERGE_UNROLL, HAS_SINK)
+                                     Sink, head, zeros, MERGE_UNROLL, HAS_SINK)
             OutF = OutF + b.to(tl.int64) * stride_fb
             tl.store(OutF + (i * stride_fm + head * stride_fh)[:, None] + offs_d[None, :] * stride_fd,
                      out.to(OutF.dtype.element_ty), mask=row_mask)
@@ -779,8 +818,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     if sq == 1:
         right = -1  # one query row sits at the last key: nothing is to its right
     keys = capacity if max_keys is None else max_keys
-    warps = configs.decode_warp_tiles(sq * group, d, dtype, device, b * hk, keys, num_splits,
-                                      rotary_cos is not None, seqlen_new > 0)
+    warps = configs.decode_warp_tiles(sq * group, d, dtype, device, b * hk, keys, num_splits)
     if warps is not None:
         cfg, num_splits = warps
         # _split_kernel_warps copies rows of 16-byte pieces: a cache that is not (decode_attention)
