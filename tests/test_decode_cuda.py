@@ -4,7 +4,11 @@ Same check as the interpreter tests (tests/decode_check.py): 2x rule against the
 outputs and split partials poisoned, cache changed exactly at the appended slots.
 """
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -184,6 +188,35 @@ def test_warp_kernel(case, dtype):
         assert plan._launch.split.kernel is decode._split_kernel_warps
         assert plan._launch.split_any.kernel is decode._split_kernel
     assert configs.decode_warp_tiles(17, d, dtype, torch.device("cuda"), b * hk, capacity, 0) is None
+
+
+MEMCHECK_CASE = """
+import torch, flashtile
+torch.manual_seed(0)
+for d, page in ((128, 16), (64, 16), (64, 48)):
+    # one sequence of 5 pages: the last 64- (d=128) or 128-key tile (d=64) reaches past its 5 table slots
+    cap = 5 * page
+    k = torch.randn(6, page, 2, d, device="cuda", dtype=torch.float16)
+    table = torch.tensor([[4, 0, 3, 1, 2]], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 1, 16, d, device="cuda", dtype=torch.float16)
+    lens = torch.tensor([cap - 3], dtype=torch.int32, device="cuda")
+    flashtile.flash_attn_with_kvcache(q, k, k.clone(), cache_seqlens=lens, block_table=table)
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+def test_warp_kernel_reads_nothing_past_the_page_table():
+    """The Gluon split kernel under compute-sanitizer's memcheck, every tensor its own allocation
+    (PYTORCH_NO_CUDA_MEMORY_CACHING): a page table of 5 slots whose last tile of keys reaches past
+    them must not read a slot past the lengths (it once did, unmasked, for the tile's last warps)."""
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(sanitizer):
+        pytest.skip("no compute-sanitizer")
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    run = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c",
+                          MEMCHECK_CASE], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and "ok" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])

@@ -558,10 +558,12 @@ def _copy_tile(K, V, k_slot, v_slot, table, start, warp0, keys, cols, k_cols, v_
     k_cache, copy zeros and read nothing; only the tiles at a split's ends have keys outside [lo, hi)."""
     if PAGE_SIZE > 0:
         pos = start + keys
+        # a table slot past hi may lie past the table's row (the last tile of a capacity that is not
+        # a whole number of tiles): not read, and its keys copy nothing
         if PAGE_SIZE % KW == 0:
-            page = gl.load(table + ((start + warp0) // PAGE_SIZE) * stride_tp)
+            page = gl.load(table + ((start + warp0) // PAGE_SIZE) * stride_tp, mask=start + warp0 < hi, other=-1)
         else:
-            page = gl.load(table + (pos // PAGE_SIZE) * stride_tp)
+            page = gl.load(table + (pos // PAGE_SIZE) * stride_tp, mask=pos < hi, other=-1)
         page_ok = (page >= 0) & (page < cache_rows)
         k_ptrs = K + page.to(gl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn + cols * stride_kd
         v_ptrs = V + page.to(gl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn + cols * stride_vd
