@@ -591,7 +591,8 @@ def test_warp_kernel_dispatch(monkeypatch):
     assert tiles(kv_rows=2, keys=65536, splits=5)[1] == 5  # a given count is kept
     assert tiles(rows=16, dtype=torch.bfloat16)[0].block_m == 16
     assert tiles(d=64, kv_rows=32, keys=4096) == (configs.BlockConfig(8, 128, 4, 3), 4)  # 32 KB tiles
-    for other in (dict(kv_rows=133), dict(rows=17), dict(d=256), dict(d=80), dict(dtype=torch.float32)):
+    for other in (dict(kv_rows=133), dict(kv_rows=0), dict(rows=17), dict(d=256), dict(d=80),
+                  dict(dtype=torch.float32)):
         assert tiles(**other) is None, other
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert tiles() is None

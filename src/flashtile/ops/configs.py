@@ -493,7 +493,7 @@ def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.devic
         return None
     block_m = 8 if rows <= 8 else 16
     sms = num_sms(device)
-    if kv_rows > sms:
+    if not 0 < kv_rows <= sms:  # an empty batch plans no launch
         return None
     block_n = 4 * DECODE_WARP_KEYS * 128 // d  # a 32 KB tile of K and V
     if num_splits == 0:

@@ -389,12 +389,14 @@ def _split_kernel_warps(
     and P go between warps through shared memory: 9 barriers a tile, and a warp's chain of ~300
     instructions a tile is what bounds the loop (decode_probe.txt). Here warp w copies keys
     [start + w KW, start + (w + 1) KW) of each BLOCK_N-key tile into shared memory itself
-    (cp.async, STAGES tiles in flight) and keeps its own online softmax over them: one barrier a
-    tile, and the warps' states merge once, after the loop. The products are turned round, S^T = K
+    (cp.async, STAGES tiles in flight) and keeps its own online softmax over them: two barriers a
+    tile (the ring's, and one Triton adds after the copies: it cannot tell the ring's slots apart),
+    and the warps' states merge once, after the loop. The products are turned round, S^T = K
     Q^T and O^T = V^T P^T, so the query rows are the MMA's N side, 8 at a time: no rows padded to
     16, and P^T goes from the first product's accumulator into the second's operand in registers.
     Key ranges, the append, rotary, masks, pages and the epilogue are _split_kernel's, through the
-    same helpers."""
+    same helpers, but for a key on a page outside k_cache (an unchecked block_table under CUDA-graph
+    capture): it reads nothing, as there, and counts as a key of zeros where _split_kernel drops it."""
     gl.static_assert(EVEN_D, "whole 16-byte rows only")
     W: gl.constexpr = gl.num_warps()
     KW: gl.constexpr = BLOCK_N // W  # keys a warp takes of each tile
