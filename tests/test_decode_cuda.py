@@ -385,6 +385,38 @@ def test_generate_steps_never_read_the_device(kind):
     assert cache.seqlens.tolist() == cache.lengths
 
 
+@pytest.mark.parametrize("d,page_size", [(128, 16), (64, 48)], ids=["d128-page16", "d64-page48"])
+def test_unchecked_pages_in_a_cuda_graph(d, page_size):
+    """test_unchecked_indices_in_a_cuda_graph over a paged cache (the Gluon split kernel on sm_90: a
+    page index a warp at d=128, a page index a key at d=64 with 48-token pages): replayed after
+    writing out-of-range lengths and page indices in place, nothing outside the pool is read into
+    the output or written (NaN guard pages around it), and the valid rows still equal an eager call."""
+    torch.manual_seed(0)
+    b, h, hk, per_seq = 4, 16, 2, 8
+    pages = b * per_seq
+    whole_k = torch.full((pages + 2, page_size, hk, d), float("nan"), device="cuda", dtype=torch.float16)
+    whole_v = whole_k.clone()
+    k_cache, v_cache = whole_k[1:-1], whole_v[1:-1]
+    k_cache.copy_(torch.randn_like(k_cache)), v_cache.copy_(torch.randn_like(v_cache))
+    table = torch.randperm(pages, device="cuda").view(b, per_seq).int()
+    seqlens = torch.tensor([100, 5 * page_size + 3, 7, 1], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    kw = dict(cache_seqlens=seqlens, block_table=table, num_splits=2)
+    graph, out = capture(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw))
+    seqlens.copy_(torch.tensor([100, 5 * page_size + 3, 2**31 - 1, -2**31], dtype=torch.int32))
+    table[2].copy_(torch.tensor([-1, pages, 10**6, -2**31, 2**31 - 1, 0, 1, 2], dtype=torch.int32))
+    table[3].fill_(pages + 1)
+    k_ref, v_ref, table_ref = k_cache.clone(), v_cache.clone(), table[:2].clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert whole_k[[0, -1]].isnan().all() and whole_v[[0, -1]].isnan().all()
+    want = flash_attn_with_kvcache(q[:2], k_ref, v_ref, k[:2], v[:2], cache_seqlens=seqlens[:2], block_table=table_ref,
+                                   num_splits=2)
+    torch.testing.assert_close(out[:2], want, atol=0, rtol=0)
+
+
 def test_unchecked_indices_in_a_cuda_graph():
     """Captured with valid lengths, replayed after writing out-of-range values in place (nothing is
     checked on replay): the kernels clamp - no NaN from the guard rows around the cache, no write
