@@ -597,3 +597,26 @@ def test_warp_kernel_dispatch(monkeypatch):
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert tiles() is None
     assert configs.decode_warp_tiles(8, 128, fp16, torch.device("cpu"), 128, 1024, 0) is None
+
+
+def test_warp_kernel_plan_keeps_a_triton_launch_for_strided_caches(monkeypatch):
+    """A plan on _split_kernel_warps prepares _split_kernel with the same grid and splits at its
+    first call with a cache the Gluon kernel cannot copy (decode_attention asks _whole_rows), once;
+    a plan on _split_kernel has no second launch."""
+    from flashtile.ops import decode
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "num_sms", lambda device: 132)
+    args = dict(page_size=0, capacity=4096, cache_rows=4, seqlen_new=0, cache_seqlens=1000, cache_batch_idx=None,
+                cache_leftpad=None, block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
+                rotary_interleaved=False, softmax_scale=0.1, window=(-1, -1), softcap=0.0, num_splits=0,
+                max_keys=None)
+    p = decode.plan(4, 1, 16, 2, 128, torch.float16, torch.device("cuda", 0), **args)
+    assert p.split.kernel is decode._split_kernel_warps and p.num_splits == 8  # >= 8 tiles of 64 keys a split
+    fallback = p.split_any()
+    assert fallback is p.split_any() and fallback.kernel is decode._split_kernel
+    assert fallback.grid == p.split.grid and fallback.scalars == p.split.scalars
+    p = decode.plan(4, 1, 16, 2, 80, torch.float16, torch.device("cuda", 0), **args)
+    assert p.split.kernel is decode._split_kernel and p.split_any is None
+    strided = torch.empty(2, 8, 128, 2).transpose(-1, -2)
+    assert decode._whole_rows(torch.empty(2, 8, 2, 128)) and not decode._whole_rows(strided)

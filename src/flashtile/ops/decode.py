@@ -34,7 +34,8 @@ _split_kernel), so values the API cannot read (CUDA-graph capture) never reach o
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import functools
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -780,7 +781,7 @@ class DecodeLaunch(NamedTuple):
     num_splits: int
     seqlen_new: int  # new keys each call appends (its k and v); 0: none
     split: Optional[Prepared]  # called with (q, k_cache, v_cache, k, v, out, lse, ...) and the first five's strides
-    split_any: Optional[Prepared]  # with split = _split_kernel_warps: _split_kernel for caches it cannot copy
+    split_any: Optional[Callable[[], Prepared]]  # with _split_kernel_warps: _split_kernel for caches it cannot copy
     combine: Optional[Prepared]  # None with one split, or with the combine fused into the split kernel
     fused: bool  # the split kernel's last program per row merges the splits (arrival counters)
     partial_sizes: tuple  # (elements of the fp32 buffer, offset of the lse partials in it)
@@ -825,9 +826,6 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     warps = configs.decode_warp_tiles(sq * group, d, dtype, device, b * hk, keys, num_splits)
     if warps is not None:
         cfg, num_splits = warps
-        # _split_kernel_warps copies rows of 16-byte pieces: a cache that is not (decode_attention)
-        # takes _split_kernel with the same splits
-        cfg_any, _ = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk, keys, num_splits)
     else:
         cfg, num_splits = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk, keys, num_splits)
     m_blocks = cdiv(sq * group, cfg.block_m)
@@ -886,7 +884,14 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
             split = prepare(_split_kernel, cfg, cfg.num_stages)
         else:
             split = prepare(_split_kernel_warps, cfg, None, STAGES=cfg.num_stages)
-            split_any = prepare(_split_kernel, cfg_any, cfg_any.num_stages)  # one M block with either tiles
+
+            @functools.cache
+            def split_any():
+                """_split_kernel_warps copies rows of 16-byte pieces: a cache that is not
+                (decode_attention) takes _split_kernel with the same splits (and one M block, as
+                either's tiles hold the <= 16 rows), prepared at its first such call."""
+                tiles, _ = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk, keys, num_splits)
+                return prepare(_split_kernel, tiles, tiles.num_stages)
     return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, split_any, combine, fused, sizes,
                         {}, {}, has_sink)
 
@@ -948,7 +953,7 @@ def decode_attention(p: DecodeLaunch, q, k_cache, v_cache, k=None, v=None, want_
         new_strides = (*k.stride(), *v.stride())
     split = p.split
     if p.split_any is not None and not (_whole_rows(k_cache) and _whole_rows(v_cache)):
-        split = p.split_any
+        split = p.split_any()
     split((q, k_cache, v_cache, k, v, o_buf, l_buf, *finals, sink),
           (*q.stride(), *k_cache.stride(), *v_cache.stride(), *new_strides), stream, key)
     if p.combine is not None:  # its tensors' key: the partials and lse are fp32, out q's dtype, all allocated here
