@@ -574,8 +574,8 @@ def test_reference_merge():
 
 def test_warp_kernel_dispatch(monkeypatch):
     """configs.decode_warp_tiles: the Gluon split kernel on an sm_90 GPU for 16-bit d=64/128 caches, at
-    most 16 query rows a KV head, and at most one program an SM before
-    splitting, which then fills the SMs once at >= 8 tiles a split; None (the Triton kernel)
+    most 16 query rows a KV head, and at most one program an SM before splitting (which then fills
+    the SMs once at >= 8 tiles a split) or rows of >= 8 tiles (not split); None (the Triton kernel)
     otherwise."""
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     monkeypatch.setattr(configs, "num_sms", lambda device: 132)
@@ -591,8 +591,11 @@ def test_warp_kernel_dispatch(monkeypatch):
     assert tiles(kv_rows=2, keys=65536, splits=5)[1] == 5  # a given count is kept
     assert tiles(rows=16, dtype=torch.bfloat16)[0].block_m == 16
     assert tiles(d=64, kv_rows=32, keys=4096) == (configs.BlockConfig(8, 128, 4, 3), 4)  # 32 KB tiles
-    for other in (dict(kv_rows=133), dict(kv_rows=0), dict(rows=17), dict(d=256), dict(d=80),
-                  dict(dtype=torch.float32)):
+    assert tiles(kv_rows=256, keys=512)[1] == 1  # 128 x 512: two rounds of 8-tile rows
+    assert tiles(kv_rows=512, keys=8192, rows=4)[1] == 1  # Llama-3-8B's 64 x 8192, 32 / 8 heads
+    assert tiles(kv_rows=512, keys=1024, d=64)[1] == 1  # 8 tiles of 128 keys
+    for other in (dict(kv_rows=512, keys=256), dict(kv_rows=133, keys=511), dict(kv_rows=133, keys=1023, d=64),
+                  dict(kv_rows=0), dict(rows=17), dict(d=256), dict(d=80), dict(dtype=torch.float32)):
         assert tiles(**other) is None, other
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert tiles() is None

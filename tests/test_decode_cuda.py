@@ -134,9 +134,11 @@ def test_features(case, dtype):
 
 
 # (b, sq, h, hk, capacity), d = 128 and no new keys unless given: what ops.decode._split_kernel_warps takes (at most 16
-# query rows a KV head, b x hk <= the SMs; configs.decode_warp_tiles)
+# query rows a KV head, and b x hk <= the SMs or rows of >= 8 tiles; configs.decode_warp_tiles). "rows300": more
+# programs than an H100 has SMs, two resident on an SM
 WARP_SHAPES = {"gqa8": (4, 1, 16, 2, 4096), "gqa4": (8, 1, 32, 8, 2048), "mha": (3, 1, 8, 8, 1000),
-               "spec2-gqa8-16-rows": (2, 2, 16, 2, 2000), "mqa8": (5, 1, 8, 1, 777)}
+               "spec2-gqa8-16-rows": (2, 2, 16, 2, 2000), "mqa8": (5, 1, 8, 1, 777),
+               "rows300": (150, 1, 16, 2, 1100)}
 WARP_CASES = {
     **{name: dict(shape=shape) for name, shape in WARP_SHAPES.items()},
     **{f"page{p}": dict(shape=WARP_SHAPES["gqa8"], page_size=p) for p in (16, 48, 64, 256)},
@@ -167,6 +169,16 @@ WARP_CASES = {
     "append-rotary-neox-partial-d64": dict(shape=WARP_SHAPES["gqa4"], d=64, s_new=1, rotary=(32, False)),
     "append-rotary-neox-leftpad-spec2": dict(shape=WARP_SHAPES["spec2-gqa8-16-rows"], s_new=2, rotary=(128, False),
                                              leftpad=True, causal=True),
+    "rows300-empty-rows": dict(shape=WARP_SHAPES["rows300"], lengths=[(37 * i) % 1100 if i % 3 else 0
+                                                                      for i in range(150)]),
+    "rows300-splits3-fused": dict(shape=WARP_SHAPES["rows300"], num_splits=3),
+    "rows300-splits16-combine": dict(shape=WARP_SHAPES["rows300"], num_splits=16),
+    "rows300-page16-append-rotary": dict(shape=WARP_SHAPES["rows300"], page_size=16, s_new=1, rotary=(128, True),
+                                         causal=True),
+    # (not with a window: its rows would be short, and take _split_kernel)
+    "rows300-batch-idx-leftpad": dict(shape=WARP_SHAPES["rows300"], batch_idx=True, leftpad=True, causal=True),
+    "rows300-d64-page48-sink-plan": dict(shape=WARP_SHAPES["rows300"], d=64, page_size=48, sink=True, plan="tensor"),
+    "rows300-spec2-16-rows-append": dict(shape=(150, 2, 16, 2, 1100), s_new=2, causal=True),
 }
 
 

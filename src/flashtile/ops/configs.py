@@ -472,30 +472,36 @@ DECODE_WARP_KEYS = 16  # keys each of _split_kernel_warps' 4 warps takes of a ti
 DECODE_WARP_STAGES = 3  # its tiles in flight (cp.async)
 
 
+DECODE_WARP_MIN_TILES = 8  # past one program an SM, _split_kernel_warps needs rows of >= 8 tiles (below)
+
+
 def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.device, kv_rows: int, max_keys: int,
                       num_splits: int) -> tuple[BlockConfig, int] | None:
     """(tiles, splits) for ops.decode._split_kernel_warps (each warp on keys of its own) where it
     measured faster than _split_kernel, else None: on sm_90, fp16 / bf16, d=64 or 128, at most 16 query
-    rows a KV head (rows = seqlen_q x nheads / nheads_k), and a grid of at most one program per SM
-    (kv_rows = batch x nheads_k programs,
-    times the splits). Its warps' chains being short, one program an SM with 3 tiles in flight
-    reads at ~94% of the read floor, where _split_kernel needs two or more programs an SM and then
-    splits (and merges) twice as much. With num_splits = 0 the keys are cut so the grid fills the
-    SMs once, at >= DECODE_MIN_BLOCKS_PER_SPLIT tiles a split.
+    rows a KV head (rows = seqlen_q x nheads / nheads_k), and either a grid of at most one program
+    an SM (kv_rows = batch x nheads_k programs, times the splits) or rows of at least
+    DECODE_WARP_MIN_TILES tiles (max_keys: the longest). Its warps' chains being short, one program
+    an SM with 3 tiles in flight reads at ~94% of the read floor, where _split_kernel needs two or
+    more programs an SM and then splits (and merges) twice as much. With num_splits = 0 the keys are
+    cut so the grid fills the SMs once, at >= DECODE_MIN_BLOCKS_PER_SPLIT tiles a split; past one
+    program an SM they are not cut.
 
     Measured (decode_probe.txt of the thirty-first session: H100, fp16, 16 q / 2 kv heads, device
     time from CUDA graphs over rotating caches; the probes are this loop without masks or epilogue,
     us): one program an SM, 3 stages, 64x1024 unsplit 25.1 (Triton's loop 31.8 there, 26.5 with 2
-    splits), 16 x 4096 in 4 splits 25.0, 1 x 65536 in 64 splits 25.3, against a read floor of 23.5;
-    past one round the Triton kernel stays ahead (256 x 256: 26.9 against its 26.2)."""
+    splits), 16 x 4096 in 4 splits 25.0, 1 x 65536 in 64 splits 25.3, against a read floor of 23.5.
+    Past one round (ab_decode_warp_rounds.txt, this kernel against _split_kernel, alternating, us):
+    128 x 512 (256 programs of 8 tiles) 26.7 against 27.7, Llama-3-8B's 64 x 8192 with 32 / 8 heads
+    (512 of 128) 697.2 against 704.1, but 256 x 256 (512 of 4 tiles) 27.7 against 27.5."""
     if (device.type != "cuda" or capability(device)[0] != 9 or dtype not in (torch.float16, torch.bfloat16)
             or d not in (64, 128) or rows > 16):
         return None
     block_m = 8 if rows <= 8 else 16
-    sms = num_sms(device)
-    if not 0 < kv_rows <= sms:  # an empty batch plans no launch
-        return None
     block_n = 4 * DECODE_WARP_KEYS * 128 // d  # a 32 KB tile of K and V
+    sms = num_sms(device)
+    if kv_rows <= 0 or (kv_rows > sms and max_keys < DECODE_WARP_MIN_TILES * block_n):  # an empty batch: no launch
+        return None
     if num_splits == 0:
         num_splits = max(1, min(sms // kv_rows, cdiv(max(max_keys, 1), DECODE_MIN_BLOCKS_PER_SPLIT * block_n)))
     return BlockConfig(block_m, block_n, 4, DECODE_WARP_STAGES), num_splits

@@ -8,8 +8,8 @@ Three kernels, each a plain stream over HBM:
                    written into the cache, through the page table, by the same launch (APPEND):
                    each program writes those it reads, before it reads them
   _split_kernel_warps  the same launch in Gluon, each warp on keys of its own (sm_90, 16-bit
-                   d=64/128, a grid of at most one program an SM before it splits:
-                   configs.decode_warp_tiles); the same helpers, append and epilogue
+                   d=64/128; a grid of at most one program an SM before it splits, or rows of
+                   >= 8 tiles: configs.decode_warp_tiles); the same helpers, append and epilogue
   _combine_kernel  out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s (seed 004's
                    kernel 2); splits with lse = -inf (nothing seen) contribute nothing. Up to
                    configs.DECODE_FUSED_MAX_SPLITS splits the split kernel's last program of a row
