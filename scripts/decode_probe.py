@@ -16,6 +16,9 @@ four rotating caches, all in one process:
   padded shared tile;
 - g2: g1 with the products turned round (S^T = K Q^T, O^T = V^T P^T) on the 8 real rows: the form
   ops.decode._split_kernel_warps took (decode_probe_gluon.txt);
+- g3: g2 in a persistent launch of 1 or 2 programs an SM, each taking g2's programs as items of one
+  stream of tiles, q copied through the ring (probe_gluon_p; compiled for sm_90 on the CPU, not yet
+  run on a GPU);
 - flashtile: flash_attn_with_kvcache(cache_seqlens=..., num_splits=SPLITS), merge included.
 Tiles are BLOCK_N x warps x stages; 64 x 4 x 2 is what the split kernel takes.
 """
@@ -34,6 +37,9 @@ from flashtile.bench.decode import _read_floor
 TILES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2))
 MODES = (0, 1, 2, 3)
 GLUON_TILES = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 4, 2), (16, 8, 2))  # keys a warp, warps, stages
+# g3's: keys a warp, warps, stages, programs an SM (its grid: min(items, this x SMs)); shared memory
+# 141 / 182 KB at 3 / 4 stages (a q ring of its own beside the keys'), 100 KB at 2: two fit an SM
+G3_TILES = ((16, 4, 3, 1), (16, 4, 4, 1), (16, 4, 2, 2))
 
 
 @triton.jit
@@ -283,6 +289,121 @@ def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_
     gl.store(Out + program * 8 * D + r[None, :] * D + c[:, None], o.to(gl.float16))
 
 
+@gluon.jit
+def _probe_item(item, s, num_splits, hk, stride_b, stride_n, stride_h, D: gl.constexpr, TILE: gl.constexpr):
+    """g3's item `item`, g2's program (split, kv head, batch) = (item % num_splits, row % hk, row //
+    hk) with row = item // num_splits: (offset of its first key, its tiles, offset of its q rows)."""
+    row = item // num_splits
+    per_split = gl.cdiv(gl.cdiv(s, TILE), num_splits) * TILE
+    lo = (item % num_splits) * per_split
+    n_tiles = gl.maximum(gl.minimum(lo + per_split, s) - lo, 0) // TILE
+    base = (row // hk).to(gl.int64) * stride_b + (row % hk) * stride_h + lo.to(gl.int64) * stride_n
+    return base, n_tiles, row * 16 * D
+
+
+@gluon.jit
+def _probe_copy(cur, k_slot, v_slot, q_ring, K, V, Q, offs, q_offs, n_items, step, s, num_splits, hk, stride_b,
+                stride_n, stride_h, D: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr):
+    """g3's producer: copy the next tile of the program's stream, moving on to its next item (and
+    copying that item's q into q ring slot `items copied % STAGES`, in the same commit group as its
+    first tile) when this one's tiles are all copied. cur = (item, next tile, tiles, key offset,
+    items entered - 1)."""
+    item, t, n, base, seq = cur
+    while (t >= n) & (item + step < n_items):
+        item += step
+        seq += 1
+        t = 0
+        base, n, q_base = _probe_item(item, s, num_splits, hk, stride_b, stride_n, stride_h, D, TILE)
+        async_copy.async_copy_global_to_shared(q_ring.index(seq % STAGES), Q + q_base + q_offs)
+    if t < n:
+        async_copy.async_copy_global_to_shared(k_slot, K + base + offs + t * TILE * stride_n)
+        async_copy.async_copy_global_to_shared(v_slot, V + base + offs + t * TILE * stride_n)
+        t += 1
+    async_copy.commit_group()
+    return item, t, n, base, seq
+
+
+@gluon.jit
+def probe_gluon_p(Q, K, V, Out, s, num_splits, hk, n_items, stride_b, stride_n, stride_h, qk_scale, D: gl.constexpr,
+                  KW: gl.constexpr, STAGES: gl.constexpr):
+    """g2 in a persistent launch: program p takes g2's programs p, p + G, ... (items) as one stream of
+    tiles, the ring running on from one item into the next; an item's q comes through the ring too
+    (cp.async into a slot of its own, with the item's first tile), so an item's start waits for no
+    load and its end (the warps' merge, the store) happens with STAGES - 1 tiles in flight. Measures
+    whether such a kernel reads short rows (256 x 256: 4 tiles an item) at the one-program-an-SM
+    stream's rate. (The thirty-second session's persistent forms of _split_kernel_warps loaded the
+    lengths and q into registers and lost to their waits: ab_decode_warp_rounds.txt.)"""
+    W: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(1, mma)
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // D, D // 8], [W, 1, 1], [2, 1, 0])
+    ring_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+    TILE: gl.constexpr = W * KW
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+
+    cw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, copy_l)))
+    ck = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(2, copy_l)))
+    cd = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy_l)))
+    offs = (cw[:, None, None] * KW + ck[None, :, None]).to(gl.int64) * stride_n + cd[None, None, :]
+    cr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, copy_l)))
+    q_offs = cr[None, :, None] * D + cd[None, None, :] + 0 * cw[:, None, None]  # every warp its own copy
+    k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, KW, D], ring_l)
+    v_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, KW, D], ring_l)
+    q_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, 8, D], ring_l)
+    o_smem = gl.allocate_shared_memory(gl.float32, [W, D, 8],
+                                       gl.PaddedSharedLayout.with_identity_for([[32, 4]], [W, D, 8], [2, 1, 0]))
+    zero = first * 0
+    cur = (first - step, zero, zero, zero.to(gl.int64), zero - 1)
+    for pre in gl.static_range(STAGES - 1):
+        cur = _probe_copy(cur, k_ring.index(pre), v_ring.index(pre), q_ring, K, V, Q, offs, q_offs, n_items, step, s,
+                          num_splits, hk, stride_b, stride_n, stride_h, D, TILE, STAGES)
+
+    red: gl.constexpr = gl.BlockedLayout([W, 4, 1], [1, 4, 8], [1, W, 1], [1, 2, 0])
+    out_l: gl.constexpr = gl.SliceLayout(0, red)  # (D, 8)
+    c_o = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
+    r_o = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
+    q_t = gl.zeros([W, D, 8], gl.float16, b_op)
+    c = 0  # tiles consumed: tile c sits in slot c % STAGES
+    j = 0  # items consumed: item j's q in q ring slot j % STAGES
+    for item in range(first, n_items, step):
+        _base, n_tiles, _q = _probe_item(item, s, num_splits, hk, stride_b, stride_n, stride_h, D, TILE)
+        m_i = gl.full([W, 8], float("-inf"), gl.float32, col_l)
+        l_i = gl.zeros([W, 8], gl.float32, col_l)
+        acc = gl.zeros([W, D, 8], gl.float32, mma)
+        for t in range(n_tiles):
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            cur = _probe_copy(cur, k_ring.index((c + STAGES - 1) % STAGES), v_ring.index((c + STAGES - 1) % STAGES),
+                              q_ring, K, V, Q, offs, q_offs, n_items, step, s, num_splits, hk, stride_b, stride_n,
+                              stride_h, D, TILE, STAGES)
+            if t == 0:
+                q_t = q_ring.index(j % STAGES).permute((0, 2, 1)).load(b_op)
+            slot = c % STAGES
+            s_t = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([W, KW, 8], gl.float32, mma)) * qk_scale
+            m_new = gl.maximum(m_i, gl.max(s_t, 1))
+            p_t = gl.exp2(s_t - gl.expand_dims(m_new, 1))
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p_t, 1)
+            v_t = v_ring.index(slot).permute((0, 2, 1)).load(a_op)
+            acc = mma_v2(v_t, gl.convert_layout(p_t.to(gl.float16), b_op), acc * gl.expand_dims(alpha, 1))
+            m_i = m_new
+            c += 1
+        m = gl.max(m_i, 0)
+        scale = gl.exp2(m_i - gl.expand_dims(m, 0))
+        l = gl.sum(l_i * scale, 0)
+        gl.thread_barrier()  # every warp has read the item before's states
+        o_smem.store(acc * gl.expand_dims(scale, 1))
+        gl.thread_barrier()
+        o = gl.sum(o_smem.load(red), 0)
+        o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(0, out_l)), 0)
+        gl.store(Out + item * 8 * D + r_o[None, :] * D + c_o[:, None], o.to(gl.float16))
+        j += 1
+    async_copy.wait_group(0)
+
+
 def graph_us(fn, bufs, rep=40):
     for i in range(3):
         fn(*bufs[i % 4])
@@ -309,6 +430,7 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--quick"]
     spec = args[0] if args else "256x256x1,16x4096x8,8x8192x16,1x65536x128,1x131072x132"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for item in spec.split(","):
         b, s, splits = (int(x) for x in item.split("x"))
         hk, d = 2, 128
@@ -339,6 +461,17 @@ def main() -> None:
                 err = (out.float() - want.float()).abs().max().item()
                 res[f"{name} {kw}x{warps}x{stages}"] = graph_us(run_gluon, bufs)
                 res[f"{name} {kw}x{warps}x{stages} err"] = err
+        items = splits * hk * b
+        for kw, warps, stages, per_sm in G3_TILES:
+            def run_persistent(k, v, kw=kw, warps=warps, stages=stages, per_sm=per_sm):
+                probe_gluon_p[(min(items, per_sm * sms),)](q, k, v, out, s, splits, hk, items, k.stride(0),
+                                                           k.stride(1), k.stride(2), 0.125, D=d, KW=kw,
+                                                           STAGES=stages, num_warps=warps)
+            out.fill_(float("nan"))
+            run_persistent(*bufs[0])
+            err = (out.float() - want.float()).abs().max().item()
+            res[f"g3 {kw}x{warps}x{stages} {per_sm}/SM"] = graph_us(run_persistent, bufs)
+            res[f"g3 {kw}x{warps}x{stages} {per_sm}/SM err"] = err
         print(item, " ".join(f"{k}={v:.1f}" if "err" not in k else f"{k}={v:.1e}" for k, v in res.items()), flush=True)
         del bufs
 
