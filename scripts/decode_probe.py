@@ -215,7 +215,6 @@ def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_
     (the MMA's N is 8): no padded rows, so half the multiplies and a 32-register accumulator."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     col_l: gl.constexpr = gl.SliceLayout(1, mma)  # (W, 8): a statistic per query row
     copy_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // D, D // 8], [W, 1, 1], [2, 1, 0])
@@ -262,22 +261,39 @@ def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_
         async_copy.async_copy_global_to_shared(v_ring.index(nxt % STAGES), V + offs + nxt * TILE * stride_n, mask=ok)
         async_copy.commit_group()
         slot = t % STAGES
-        k = k_ring.index(slot).load(a_op)
-        s_t = mma_v2(k, q_t, gl.zeros([W, KW, 8], gl.float32, mma)) * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s_t, 1))
-        p_t = gl.exp2(s_t - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p_t, 1)
-        v_t = v_ring.index(slot).permute((0, 2, 1)).load(a_op)
-        acc = mma_v2(v_t, gl.convert_layout(p_t.to(gl.float16), b_op), acc * gl.expand_dims(alpha, 1))
-        m_i = m_new
+        m_i, l_i, acc = _probe_t_step(k_ring.index(slot), v_ring.index(slot), q_t, m_i, l_i, acc, qk_scale, KW)
     async_copy.wait_group(0)
 
+    o_smem = gl.allocate_shared_memory(gl.float32, [W, D, 8],
+                                       gl.PaddedSharedLayout.with_identity_for([[32, 4]], [W, D, 8], [2, 1, 0]))
+    _probe_t_store(o_smem, m_i, l_i, acc, Out + program * 8 * D, D)
+
+
+@gluon.jit
+def _probe_t_step(k_slot, v_slot, q_t, m_i, l_i, acc, qk_scale, KW: gl.constexpr):
+    """g2's and g3's online softmax over one tile (k_slot, v_slot (W, KW, D) in shared memory),
+    the products turned round: S^T = K Q^T, O^T = V^T P^T on the 8 real rows -> (m_i, l_i, acc)."""
+    mma: gl.constexpr = acc.type.layout
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    s_t = mma_v2(k_slot.load(a_op), q_t, gl.zeros([gl.num_warps(), KW, 8], gl.float32, mma)) * qk_scale
+    m_new = gl.maximum(m_i, gl.max(s_t, 1))
+    p_t = gl.exp2(s_t - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p_t, 1)
+    acc = mma_v2(v_slot.permute((0, 2, 1)).load(a_op), gl.convert_layout(p_t.to(gl.float16), b_op),
+                 acc * gl.expand_dims(alpha, 1))
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _probe_t_store(o_smem, m_i, l_i, acc, Out, D: gl.constexpr):
+    """The warps' states (m_i, l_i (W, 8), acc (W, D, 8)) of g2 / g3 merged once through o_smem
+    (the caller's barriers keep it free), the 8 rows' output stored at Out (8, D) in fp16."""
+    W: gl.constexpr = gl.num_warps()
     m = gl.max(m_i, 0)
     scale = gl.exp2(m_i - gl.expand_dims(m, 0))
     l = gl.sum(l_i * scale, 0)
-    o_smem = gl.allocate_shared_memory(gl.float32, [W, D, 8],
-                                       gl.PaddedSharedLayout.with_identity_for([[32, 4]], [W, D, 8], [2, 1, 0]))
     o_smem.store(acc * gl.expand_dims(scale, 1))
     gl.thread_barrier()
     red: gl.constexpr = gl.BlockedLayout([W, 4, 1], [1, 4, 8], [1, W, 1], [1, 2, 0])
@@ -286,7 +302,7 @@ def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_
     o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(0, out_l)), 0)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
     r = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
-    gl.store(Out + program * 8 * D + r[None, :] * D + c[:, None], o.to(gl.float16))
+    gl.store(Out + r[None, :] * D + c[:, None], o.to(gl.float16))
 
 
 @gluon.jit
@@ -335,7 +351,6 @@ def probe_gluon_p(Q, K, V, Out, s, num_splits, hk, n_items, stride_b, stride_n, 
     lengths and q into registers and lost to their waits: ab_decode_warp_rounds.txt.)"""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     col_l: gl.constexpr = gl.SliceLayout(1, mma)
     copy_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // D, D // 8], [W, 1, 1], [2, 1, 0])
@@ -361,10 +376,6 @@ def probe_gluon_p(Q, K, V, Out, s, num_splits, hk, n_items, stride_b, stride_n, 
         cur = _probe_copy(cur, k_ring.index(pre), v_ring.index(pre), q_ring, K, V, Q, offs, q_offs, n_items, step, s,
                           num_splits, hk, stride_b, stride_n, stride_h, D, TILE, STAGES)
 
-    red: gl.constexpr = gl.BlockedLayout([W, 4, 1], [1, 4, 8], [1, W, 1], [1, 2, 0])
-    out_l: gl.constexpr = gl.SliceLayout(0, red)  # (D, 8)
-    c_o = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
-    r_o = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
     q_t = gl.zeros([W, D, 8], gl.float16, b_op)
     c = 0  # tiles consumed: tile c sits in slot c % STAGES
     j = 0  # items consumed: item j's q in q ring slot j % STAGES
@@ -382,24 +393,10 @@ def probe_gluon_p(Q, K, V, Out, s, num_splits, hk, n_items, stride_b, stride_n, 
             if t == 0:
                 q_t = q_ring.index(j % STAGES).permute((0, 2, 1)).load(b_op)
             slot = c % STAGES
-            s_t = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([W, KW, 8], gl.float32, mma)) * qk_scale
-            m_new = gl.maximum(m_i, gl.max(s_t, 1))
-            p_t = gl.exp2(s_t - gl.expand_dims(m_new, 1))
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p_t, 1)
-            v_t = v_ring.index(slot).permute((0, 2, 1)).load(a_op)
-            acc = mma_v2(v_t, gl.convert_layout(p_t.to(gl.float16), b_op), acc * gl.expand_dims(alpha, 1))
-            m_i = m_new
+            m_i, l_i, acc = _probe_t_step(k_ring.index(slot), v_ring.index(slot), q_t, m_i, l_i, acc, qk_scale, KW)
             c += 1
-        m = gl.max(m_i, 0)
-        scale = gl.exp2(m_i - gl.expand_dims(m, 0))
-        l = gl.sum(l_i * scale, 0)
         gl.thread_barrier()  # every warp has read the item before's states
-        o_smem.store(acc * gl.expand_dims(scale, 1))
-        gl.thread_barrier()
-        o = gl.sum(o_smem.load(red), 0)
-        o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(0, out_l)), 0)
-        gl.store(Out + item * 8 * D + r_o[None, :] * D + c_o[:, None], o.to(gl.float16))
+        _probe_t_store(o_smem, m_i, l_i, acc, Out + item * 8 * D, D)
         j += 1
     async_copy.wait_group(0)
 
