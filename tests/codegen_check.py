@@ -120,9 +120,10 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores; alibi:
     ALiBi slopes), its tiles in chunks of heads where configs.hopper_forward_head_chunk takes them
-    (d=64, causal)."""
+    (d=64, causal). d: the tensors' head dim, computed at configs.hopper_head_dim(d)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    d, head_dim = configs.hopper_head_dim(d), d
     cfg = configs.hopper_forward_tiles(d)
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
@@ -130,7 +131,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
                  HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
                  HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
-                 HEAD_CHUNKED=causal and d == 64)
+                 HEAD_CHUNKED=causal and d == 64, HEAD_DIM=head_dim)
     if not alibi:
         const["Slopes"] = None
     if not dropout:
@@ -160,7 +161,9 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes), its programs in
     chunks of head_chunk (batch, K/V head) rows; by default as configs.hopper_backward_head_chunk
-    chooses for 8k tokens (4 at d=128 with a causal mask, else 1: the plain 3D grid)."""
+    chooses for 8k tokens (4 at d=128 with a causal mask, else 1: the plain 3D grid). d: the tensors'
+    head dim, computed at configs.hopper_head_dim(d)."""
+    d, head_dim = configs.hopper_head_dim(d), d
     if head_chunk is None:
         head_chunk = 4 if causal and d == 128 else 1
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -171,7 +174,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
                  HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap,
-                 HAS_ALIBI=alibi, HEAD_CHUNK=head_chunk)
+                 HAS_ALIBI=alibi, HEAD_CHUNK=head_chunk, HEAD_DIM=head_dim)
     if not alibi:
         const["Slopes"] = None
     if not dropout:

@@ -164,6 +164,23 @@ def test_hopper_kernels_compile_for_packed_batches(kernel, d):
         assert report["shared_bytes"] <= 227 * 1024, report
 
 
+@pytest.mark.parametrize("kernel,d,extra", [("forward-sm90", 96, ["--causal"]), ("forward-sm90", 40, []),
+                                             ("backward-sm90", 96, ["--causal", "--varlen"]),
+                                             ("backward-sm90", 160, ["--causal", "--varlen"])])
+def test_hopper_kernels_compile_at_padded_head_dims(kernel, d, extra):
+    """Head dims between 64, 128 and 256 compile to the kernels of the next of them
+    (configs.hopper_head_dim) plus the masks at d of the pointer stores (the forward's output, a
+    packed backward's dK / dV): the register split, shared memory and asynchronous wgmmas of
+    those, and spills within their bounds above."""
+    report = memory_ops(kernel, d, *extra)
+    dp = 64 if d <= 64 else 128 if d <= 128 else 256
+    bound = 208 if kernel == "forward-sm90" else {64: 384, 128: 208, 256: 16}[dp]
+    assert report["spill_bytes"] <= bound, report
+    assert not report["wgmma_serialised"], report
+    assert {24, consumer_regs(kernel, dp)} <= set(report["setmaxnreg"]), report
+    assert report["shared_bytes"] <= 227 * 1024, report
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_forward_compiles_with_a_sink(d):
     """HAS_SINK in the Hopper forward (the sink folded into l and m before the epilogue): within

@@ -30,7 +30,16 @@ def test_dispatch(sm90, monkeypatch):
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=8192, seqlen_q=8192, softcap=True)
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192, softcap=True)
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=1) is None
-    assert configs.hopper_forward_config(96, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
+    # head dims from 33 to 256 run at the next of 64 / 128 / 256 (configs.hopper_head_dim), at every
+    # length from 128 rows: the Triton kernel masks them column by column
+    assert configs.hopper_forward_config(96, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192).block_m == 128
+    assert configs.hopper_forward_config(48, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096).block_m == 192
+    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512).block_m == 192
+    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512, softcap=True)
+    assert configs.hopper_forward_config(160, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024).block_n == 64
+    assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=127) is None
+    for d in (16, 32, 264):  # unmasked Triton tiles; past the Hopper kernels
+        assert configs.hopper_forward_config(d, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
     assert configs.hopper_forward_config(256, bf16, CUDA, causal=False, seqlen_k=1024, seqlen_q=1024).block_n == 64
     assert configs.hopper_forward_config(256, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024) is None
     assert configs.hopper_forward_config(256, bf16, CUDA, causal=True, seqlen_k=2048, seqlen_q=2048) is not None
@@ -149,7 +158,9 @@ def test_backward_dispatch(sm90, monkeypatch):
     assert configs.hopper_backward_defer_dq(64) and not configs.hopper_backward_defer_dq(128)
     assert configs.hopper_backward_split_d(256) and not configs.hopper_backward_split_d(128)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
-    for d in (32, 96, 192):
+    for d, dp in ((96, 128), (192, 256), (40, 64)):  # computed at the next of 64 / 128 / 256
+        assert configs.hopper_backward_config(d, bf16, CUDA, seqlen_q=4096) == configs.hopper_backward_tiles(dp)
+    for d in (16, 32, 264):
         assert configs.hopper_backward_config(d, bf16, CUDA, seqlen_q=4096) is None
     assert configs.hopper_backward_config(128, torch.float32, CUDA, seqlen_q=4096) is None
     assert configs.hopper_backward_config(128, bf16, torch.device("cpu"), seqlen_q=4096) is None

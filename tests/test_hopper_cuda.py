@@ -282,6 +282,43 @@ def test_batch_times_heads_past_65535(hopper_launches, hopper_backward_launches,
 DROPOUT_SEQLENS = [(113, 203), (256, 512), (1023, 1024), (1024, 1023), (300, 17), (2048, 2048)]
 
 
+PADDED_DIMS = [8, 40, 72, 96, 120, 136, 160, 200, 248]
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (300, 17), (1023, 1024)], ids=["113x203", "300x17", "1023x1024"])
+@pytest.mark.parametrize("d", PADDED_DIMS, ids=[f"d{d}" for d in PADDED_DIMS])
+def test_padded_head_dims(hopper_launches, hopper_backward_launches, d, sq, sk, causal, heads):
+    """Head dims between the kernels' 64 / 128 / 256 (configs.hopper_head_dim): boxes as wide as
+    the kernel's head dim over the narrower tensors read zeros past d and clip the stores, so the
+    output, LSE and dQ/dK/dV agree with the oracle (2x rule; outputs poisoned first, so a column
+    written past d of a view into a wider buffer would show). fp16 and bf16 alternate by d."""
+    dtype = torch.bfloat16 if d % 16 else torch.float16
+    check_prefill(2, sq, sk, *heads, d, dtype, "cuda", causal=causal)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("d", [40, 96, 160], ids=["d40", "d96", "d160"])
+@pytest.mark.parametrize("case", [dict(dropout_p=0.17, causal=True), dict(window=(100, 20)), dict(softcap=20.0),
+                                  dict(alibi=True, causal=True), dict(sink=True, causal=True),
+                                  dict(layout="bhsd", causal=True)],
+                         ids=["dropout", "window", "softcap", "alibi", "sink", "bhsd"])
+def test_padded_head_dims_with(hopper_launches, hopper_backward_launches, d, case):
+    """The padded head dims beside every flag of the Hopper kernels, and strided (BHSD) tensors,
+    whose rows are not contiguous: a box's columns past d must not read the next head's."""
+    check_prefill(2, 700, 900, 4, 2, d, torch.bfloat16, "cuda", **case)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("d", [40, 96, 160], ids=["d40", "d96", "d160"])
+def test_padded_head_dims_varlen(hopper_launches, hopper_backward_launches, d):
+    """A packed batch at a padded head dim: dK and dV leave through pointers there, masked at d."""
+    check_varlen([300, 0, 17, 1024, 129], [250, 40, 17, 1024, 300], 4, 2, d, torch.bfloat16, "cuda", causal=True)
+    check_varlen([300, 0, 17, 1024, 129], [250, 40, 17, 1024, 300], 4, 2, d, torch.bfloat16, "cuda", dropout_p=0.17)
+    assert hopper_launches and hopper_backward_launches
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", DROPOUT_SEQLENS, ids=[f"{a}x{b}" for a, b in DROPOUT_SEQLENS])
 @pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)],

@@ -622,7 +622,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                       dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
                       stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT: gl.constexpr,
                       HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                      HEAD_DIM: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
     its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
@@ -635,7 +636,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     dS needs nothing more, the bias being constant in S. HAS_DROPOUT: P^T and dP^T see the
     forward's keep-mask (made while S^T is computed), dV is scaled by 1 / (1 - p) at the end, as
     in the Triton programs. IS_VARLEN: dK and dV leave through pointers, masked at the sequence's
-    last key (a TMA store of the block would write its zeros over the next sequence's first keys);
+    last key (a TMA store of the block would write its zeros over the next sequence's first keys)
+    and at HEAD_DIM;
     tb, q0, k0 as _bwd_sm90_load's. dk_scale: dK's factor at the end, softmax_scale times
     backward_ds_unit."""
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
@@ -723,6 +725,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         cols = col + gl.arange(0, OWN_D, layout=gl.SliceLayout(0, kv_layout))
         rows = (k0 + keys)[:, None].to(gl.int64)
         ok = (keys < sk)[:, None]
+        if HEAD_DIM < BLOCK_D:
+            ok = ok & (cols < HEAD_DIM)[None, :]
         gl.store(DK + hk.to(gl.int64) * stride_dkh + rows * stride_dkn + cols[None, :],
                  (dk * dk_scale).to(DK.dtype.element_ty), mask=ok)
         gl.store(DV + hk.to(gl.int64) * stride_dvh + rows * stride_dvn + cols[None, :], dv.to(DV.dtype.element_ty),
@@ -961,7 +965,7 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     HAS_ALIBI: gl.constexpr, HEAD_CHUNK: gl.constexpr):
+                     HAS_ALIBI: gl.constexpr, HEAD_CHUNK: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask; or
     with HEAD_CHUNK > 1 (configs.hopper_backward_head_chunk) a 1D grid of the same programs in
     head_chunked_order, key block 0 of HEAD_CHUNK (batch, K/V head) rows first.
@@ -973,8 +977,10 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     does nothing, and one that runs into the next sequence masks every step (those keys' rows of
     P^T are zero, so nothing of them reaches dQ). HAS_SOFTCAP: capped scores (capped_sm90; qk_scale
     and softcap are softcap_scales'). dk_scale: dK's factor, softmax_scale times backward_ds_unit.
-    HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. Pointers and
-    descriptors come before the scalars, as ops._launch.launch passes them."""
+    HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. HEAD_DIM: the
+    tensors' head dim; the boxes may be wider (configs.hopper_head_dim), their columns past it read
+    as zeros and clipped on the way out. Pointers and descriptors come before the scalars, as
+    ops._launch.launch passes them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
@@ -1036,13 +1042,13 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
                              softcap, dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
                              stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
-                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI)),
+                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM)),
         (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                              ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, tb, q0, k0,
                              hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
                              softcap, dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
                              stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
-                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI)),
+                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM)),
         (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
                           rows_pad, start_n, lo, n_m)),
@@ -1065,7 +1071,8 @@ def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) -> bool:
 
 def sm90_boxes(cfg, d: int) -> dict:
     """(rows, columns) of the TMA boxes of _bwd_kernel_sm90's BSHD descriptors, by parameter name,
-    for tiles cfg at head dim d: K and V in a box per consumer warpgroup (half the program's keys),
+    for tiles cfg at the kernel's head dim d (configs.hopper_head_dim): K and V in a box per consumer
+    warpgroup (half the program's keys),
     or with SPLIT_D one box that both share, and dK / dV in a box per warpgroup's columns."""
     split = configs.hopper_backward_split_d(d)
     keys = cfg.block_n if split else cfg.block_n // 2
@@ -1089,6 +1096,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     softcap and alibi_slopes as attention_backward's; delta (shaped like lse) gets delta when given.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     h, d = q.shape[-2:]
+    dp = configs.hopper_head_dim(d)  # the boxes' columns: those past d read as zeros and are clipped
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
     packed = varlen is not None
@@ -1099,9 +1107,10 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), h, b), (out, dout, stats[1], lse, stats[0], delta,
                                                                 vl_tensors[0]),
            (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q, d), pre.num_warps,
-           pre.num_stages, BLOCK_D=d, BLOCK_M=pre.block_m, EVEN_D=True, WRITE_LSE2=True, IS_VARLEN=packed)
+           pre.num_stages, BLOCK_D=configs.padded_headdim(d), BLOCK_M=pre.block_m,
+           EVEN_D=d == configs.padded_headdim(d), WRITE_LSE2=True, IS_VARLEN=packed)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
-    split = configs.hopper_backward_split_d(d)
+    split = configs.hopper_backward_split_d(dp)
     ds_unit = backward_ds_unit(dropout_scale, has_dropout, split)
     # the kernel adds dQ / (softmax_scale ds_unit): a buffer of its own where dq must get dQ / softmax_scale
     dq_acc = dq if accumulate_dq and ds_unit == 1 else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -1112,7 +1121,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     else:
         dq_acc_rows = dq_acc
     rows = [Box(t, (t.numel(),), (1,), (cfg.block_m,), ROW_LAYOUT) for t in stats]
-    boxes = sm90_boxes(cfg, d)
+    boxes = sm90_boxes(cfg, dp)
 
     def box(t, name):
         return box_descriptor(t, *boxes[name])
@@ -1120,7 +1129,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     qk_scale, softcap2 = kernel_scale(softmax_scale, softcap)
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
-    chunk = configs.hopper_backward_head_chunk(d, sq, h // hk, right is not None, q.device)
+    chunk = configs.hopper_backward_head_chunk(dp, sq, h // hk, right is not None, q.device)
     n_kb = cdiv(sk, cfg.block_n)
     launch(_bwd_kernel_sm90, (n_kb, hk, b) if chunk == 1 else (n_kb * hk * b, 1, 1),
            (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
@@ -1128,10 +1137,10 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale * ds_unit, threshold,
             dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
-           NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(d),
+           NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(dp),
            SPLIT_D=split, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
            IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None,
-           HEAD_CHUNK=chunk)
+           HEAD_CHUNK=chunk, HEAD_DIM=d)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale * ds_unit, out=dq)
     elif dq_acc is not dq:

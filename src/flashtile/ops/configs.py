@@ -85,22 +85,46 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     16k) d=128 1.24-1.31x, causal 1.09-1.31x; d=256 1.23-1.24x, causal 4k / 16k 1.31 / 1.28x;
     d=64 0.96 / 1.04 / 1.08x, causal 4k / 16k 1.01 / 1.12x: the cuts above stand.
     """
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
+    if not hopper_takes(d, dtype, device) or seqlen_q < 128:
         return None
-    if capability(device) != (9, 0):
-        return None
-    if seqlen_q < 128 or (d == 64 and seqlen_k < (4096 if causal else 1024)) or (d == 64 and causal and softcap):
+    if d == 64 and (seqlen_k < (4096 if causal else 1024) or (causal and softcap)):
         return None
     if d == 256 and causal and seqlen_k < 2048:
         return None
     return hopper_forward_tiles(d)
 
 
+HOPPER_HEAD_DIMS = (64, 128, 256)
+# Head dims up to this one keep the Triton kernels: d=32 computed at 64 measured forward 0.89-1.07x,
+# backward 0.86-0.97x the Triton kernels' unmasked 32-column tiles (NOTES.md "Head dims between").
+HOPPER_MAX_TRITON_HEAD_DIM = 32
+
+
+def hopper_head_dim(d: int) -> int | None:
+    """The head dim the Hopper kernels compute a head dim d at: 64, 128 or 256, the smallest of
+    them >= d (None past 256). The TMA boxes are that wide and read the columns past d as zeros,
+    which add nothing to Q K^T and make zero columns of P V, and the stores clip them: no tensor is
+    copied or padded."""
+    return next((p for p in HOPPER_HEAD_DIMS if p >= d), None)
+
+
+def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the Hopper kernels may take head dim d in dtype on device (the dispatches add their
+    lengths): fp16 / bf16 on sm_90, 32 < d <= 256. At the dims between 64, 128 and 256 the Triton
+    kernels mask their power-of-two tiles column by column (scalar 16-bit loads), and the Hopper
+    kernels computing at the next of those dims measured 2.5-3.6x their forward and 1.3-3.5x
+    their backward, causal or not, 1k-16k (d = 48, 80, 96, 160, 192; NOTES.md "Head dims
+    between"), so there the lengths below which d = 64 and 256 keep the Triton kernel don't apply."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
+
+
 def hopper_forward_tiles(d: int) -> BlockConfig:
-    """The Hopper forward's tiles at head dim d (64, 128 or 256), block_m = 64 rows per consumer
-    warpgroup (hopper_forward_consumers). d=256 takes 64-key blocks: its 128-key ones would not fit
-    shared memory beside Q; (128, 32, 4, 3) measured 418-520 TFLOP/s against (128, 64, 4, 2)'s
-    487-662 in one sweep (NOTES.md "Hopper forward")."""
+    """The Hopper forward's tiles at head dim d (computed at hopper_head_dim(d): 64, 128 or 256),
+    block_m = 64 rows per consumer warpgroup (hopper_forward_consumers). 256 takes 64-key blocks:
+    its 128-key ones would not fit shared memory beside Q; (128, 32, 4, 3) measured 418-520
+    TFLOP/s against (128, 64, 4, 2)'s 487-662 in one sweep (NOTES.md "Hopper forward")."""
+    d = hopper_head_dim(d)
     return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d), 128, 4, 2)
 
 
@@ -175,15 +199,13 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
     297 / 183, 333 / 196, 340 / 193; causal 190 / 147, 255 / 174, 324 / 213, 343 / 217. Fewer than
     128 query rows were not measured and keep the Triton programs, as the forward.
     """
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128, 256):
-        return None
-    if capability(device) != (9, 0) or seqlen_q < 128:
+    if not hopper_takes(d, dtype, device) or seqlen_q < 128:
         return None
     return hopper_backward_tiles(d, dropout, softcap)
 
 
 def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) -> BlockConfig:
-    """The Hopper backward's tiles at head dim d (64, 128 or 256): 128 keys per program at d <= 128;
+    """The Hopper backward's tiles at head dim d (computed at hopper_head_dim(d)): 128 keys per program at d <= 128;
     Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its
     240 registers) and of 128 rows at d=64, where half as many steps carry the per-step waits:
     1.02-1.09x the 64-row blocks' backward at 1k-16k, causal or not (ab_bwd_d64_rows128.txt, two
@@ -196,6 +218,7 @@ def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) 
     the Hopper kernels"). So does softcap, whose cap derivative beside a 128-row S^T spills
     1512 bytes (0 with 64 rows). ALiBi keeps 128 rows (164 / 496 bytes spilled, causal): 1.08x
     the 64-row blocks non-causal, level causal (alibi_costs.txt)."""
+    d = hopper_head_dim(d)
     if d == 256:
         return BlockConfig(64, 64, 4, 2)
     return BlockConfig(128, 128, 4, 2) if d == 64 and not (dropout or softcap) else BlockConfig(64, 128, 4, 2)

@@ -486,7 +486,7 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                       PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                       ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                       HAS_SINK: gl.constexpr,
-                      HAS_ALIBI: gl.constexpr):
+                      HAS_ALIBI: gl.constexpr, HEAD_DIM: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks. HAS_SOFTCAP: the scores are
@@ -628,7 +628,10 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                   + (q_start + offs_m)[:, None].to(gl.int64) * stride_om + offs_d[None, :])
-        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < sq_b)
+        o_mask = offs_m[:, None] < sq_b
+        if HEAD_DIM < BLOCK_D:  # the boxes' columns past the head dim (zeros): not stored
+            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
         gl.store(Lse + lse_row_base(b, h, nheads, sq_b, q_start, total_q, IS_VARLEN) + offs_m, lse, mask=offs_m < sq_b)
         if PERSISTENT:
             tile = _fwd_sm90_next(tile_ids, tile_ready, tile_free, n)
@@ -646,15 +649,17 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
                      Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
                      HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                     HEAD_CHUNKED: gl.constexpr):
+                     HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile; with HEAD_CHUNKED in chunks of head_chunk heads), taking the next from a
     counter (_fwd_sm90_fetch), so one tile's output leaves while the next one's Q and K/V come in.
     IS_VARLEN: the batch is packed (q_desc, k_desc and v_desc over (1, total, heads, d) views), `batch`
     counts its sequences and sq / sk are the longest ones (the Triton kernel's flag). HAS_SINK: Sink,
     the (h,) attention sink, as there. HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are
-    softcap_scales'). HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. Pointers
-    and descriptors come before the scalars, as ops._launch.launch passes them."""
+    softcap_scales'). HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides.
+    HEAD_DIM: the tensors' head dim; the descriptors' boxes may be wider (configs.hopper_head_dim),
+    their columns past it read as zeros, and the output's are not stored. Pointers and descriptors
+    come before the scalars, as ops._launch.launch passes them."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -701,21 +706,21 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI)),
+                                 HAS_ALIBI, HEAD_DIM)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI)),
+                                 HAS_ALIBI, HEAD_DIM)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI)),
+                                 HAS_ALIBI, HEAD_DIM)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
                               nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
@@ -729,14 +734,14 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI)),
+                                 HAS_ALIBI, HEAD_DIM)),
             (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
                                  v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads, group,
                                  sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI)),
+                                 HAS_ALIBI, HEAD_DIM)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
                               nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
@@ -812,6 +817,7 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     if softcap > 0:
         qk_scale, softcap = softcap_scales(qk_scale, softcap)
     h, d = q.shape[-2:]
+    dp = configs.hopper_head_dim(d)  # the boxes' columns: those past d read as zeros and are not stored
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
     vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
@@ -820,20 +826,21 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     out_strides = seq_strides(out, varlen is not None)
     n_m = cdiv(sq, cfg.block_m)
     n_tiles = n_m * h * b
-    persistent = configs.hopper_forward_persistent(d)
+    persistent = configs.hopper_forward_persistent(dp)
     grid = (min(n_tiles, configs.num_sms(q.device)) if persistent else n_tiles, )
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     consumers = cfg.block_m // 64  # 64 rows a consumer warpgroup (configs.hopper_forward_tiles)
     if consumers not in (2, 3):
         raise ValueError(f"the Hopper forward runs 128- or 192-row tiles, got block_m={cfg.block_m}")
-    chunk = configs.hopper_forward_head_chunk(d, sk, h // hk, right is not None, q.device)
+    chunk = configs.hopper_forward_head_chunk(dp, sk, h // hk, right is not None, q.device)
     launch(_fwd_kernel_sm90, grid,
-           (out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers),
-            box_descriptor(k, cfg.block_n), box_descriptor(v, cfg.block_n), rng, *vl_tensors[:3], sink, alibi_slopes),
+           (out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers, dp),
+            box_descriptor(k, cfg.block_n, dp), box_descriptor(v, cfg.block_n, dp), rng, *vl_tensors[:3], sink,
+            alibi_slopes),
            (*out_strides[:3], n_tiles, chunk, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
             threshold, dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=hopper_forward_maxnreg(consumers), HAS_LEFT=left is not None,
-           HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(d),
+           HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(dp),
            PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers,
            IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
-           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunk > 1)
+           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunk > 1, HEAD_DIM=d)
