@@ -73,6 +73,10 @@ def test_refuses_what_tma_cannot_read():
     odd = torch.randn(2, 256, 4, 130, dtype=torch.bfloat16)[..., :128]  # head stride of 260 bytes
     assert not forward._hopper_supports(q, odd, v, out, 1.0, None)
     assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, None)
+    # a head dim whose rows are not a multiple of 16 bytes (d=100: 200) stays with the Triton kernel;
+    # d=40 (80 bytes) is computed at 64 by the Hopper kernels
+    assert not forward._hopper_supports(*qkv(d=100), torch.empty(2, 256, 4, 100, dtype=torch.bfloat16), 1.0, None)
+    assert forward._hopper_supports(*qkv(d=40), torch.empty(2, 256, 4, 40, dtype=torch.bfloat16), 1.0, None)
 
 
 def packed(paged: bool = False):
