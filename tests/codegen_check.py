@@ -67,7 +67,7 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
     blocks = tuple(blocks or default)
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)
-    const = dict(Slopes=None, BLOCK_D=block_d, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False,
+    const = dict(Slopes=None, HEAD_DIM=d, BLOCK_D=block_d, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False,
                  HAS_ALIBI=False, EVEN_D=d == block_d, DOT_PRECISION="ieee", stride_slope_b=0,
                  stride_slope_h=0, **PARTS[name])
     const.update({field: blocks[i] for field, i in fields.items()})

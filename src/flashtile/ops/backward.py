@@ -51,10 +51,10 @@ from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOP
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
 
-@triton.jit(do_not_specialize=["sq", "rows_out", "head_dim", "total_q"])
+@triton.jit(do_not_specialize=["sq", "rows_out", "total_q"])
 def _delta_kernel(Out, dOut, Delta, Lse, Lse2, DeltaOut, CuSeqQ, stride_ob, stride_om, stride_oh, stride_od,
                   stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq, rows_out, total_q,
-                  head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
                   WRITE_LSE2: tl.constexpr, IS_VARLEN: tl.constexpr):
     """delta = rowsum(dO * O) of rows [start_m, start_m + BLOCK_M) of head bh into Delta, which
     holds rows_out >= sq rows per head (rows past sq get 0). WRITE_LSE2: also the LSE in the log2
@@ -70,7 +70,7 @@ def _delta_kernel(Out, dOut, Delta, Lse, Lse2, DeltaOut, CuSeqQ, stride_ob, stri
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = (q_start + offs_m)[:, None].to(tl.int64)
-    mask = (offs_m[:, None] < sq) & head_dim_mask(offs_d, head_dim, EVEN_D)
+    mask = (offs_m[:, None] < sq) & head_dim_mask(offs_d, HEAD_DIM, EVEN_D)
     o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows * stride_om
                 + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(dOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows * stride_dom
@@ -157,7 +157,7 @@ def _dkdv_program(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
     qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale,
-    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -170,7 +170,7 @@ def _dkdv_program(
     diag_offset = sk - sq
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
+    d_mask = head_dim_mask(offs_d, HEAD_DIM, EVEN_D)
     kv_mask = (offs_n[:, None] < sk) & d_mask
     k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
                 + (k_start + offs_n)[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
@@ -280,7 +280,7 @@ def _dq_program(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
     nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed, threshold,
-    dropout_scale, head_dim,
+    dropout_scale, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -295,7 +295,7 @@ def _dq_program(
     diag_offset = sk - sq
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
+    d_mask = head_dim_mask(offs_d, HEAD_DIM, EVEN_D)
     row_mask = (offs_m[:, None] < sq) & d_mask
     rows = (q_start + offs_m)[:, None].to(tl.int64)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -358,8 +358,7 @@ def _dq_program(
     tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "left", "right", "threshold", "head_dim",
-                               "n_programs"])
+@triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "left", "right", "threshold", "n_programs"])
 def _bwd_kernel(
     Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
     CuSeqQ, CuSeqK, SeqUsedK, Rng,
@@ -374,7 +373,7 @@ def _bwd_kernel(
     stride_slope_b, stride_slope_h,
     batch, nheads, nheads_k, sq, sk, total_q, total_k, left, right, qk_scale, softcap, softmax_scale,
     threshold, dropout_scale,
-    head_dim, n_programs, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    n_programs, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
     DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr, WRITE_DELTA: tl.constexpr,
     PDL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -412,7 +411,7 @@ def _bwd_kernel(
             stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
             stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
             stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
-            qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale, head_dim,
+            qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale, HEAD_DIM,
             BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D, DKDV_TMA,
             DOT_PRECISION, PDL, IS_VARLEN, HAS_DROPOUT)
     else:
@@ -433,7 +432,7 @@ def _bwd_kernel(
             stride_ob, stride_om, stride_oh, stride_od,
             stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b,
             stride_slope_h, nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed,
-            threshold, dropout_scale, head_dim,
+            threshold, dropout_scale, HEAD_DIM,
             BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
             DQ_TMA, DOT_PRECISION, WRITE_DELTA, IS_VARLEN, HAS_DROPOUT, DQ_ADD)
 
@@ -507,8 +506,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
         rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
         launch(_delta_kernel, (cdiv(rows, pre.block_m), h, n), (out, dout, delta, None, None, None, None),
-               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, 0, d), pre.num_warps,
-               pre.num_stages, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d, WRITE_LSE2=False,
+               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, 0), pre.num_warps,
+               pre.num_stages, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d, WRITE_LSE2=False,
                IS_VARLEN=False)
 
     # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
@@ -520,8 +519,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     strides = tuple(st for t in (q, k, v, dout, out, dq, dk, dv) for st in seq_strides(t, packed)) if packed else \
         (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *out.stride(), *dq.stride(), *dk.stride(), *dv.stride())
     scalars = (*strides, *alibi_strides(alibi_slopes), b, h, hk, sq, sk, total_q, total_k,
-               left or 0, right or 0, qk_scale, softcap, softmax_scale, threshold, dropout_scale, d)
-    flags = dict(BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
+               left or 0, right or 0, qk_scale, softcap, softmax_scale, threshold, dropout_scale)
+    flags = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
                  BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,
                  HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
                  EVEN_D=d == block_d, DKDV_TMA=dkdv_descs[0] is not None, DQ_TMA=dq_descs[0] is not None,
@@ -1106,8 +1105,8 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     pre = configs.delta_config(d, q.device)
     launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), h, b), (out, dout, stats[1], lse, stats[0], delta,
                                                                 vl_tensors[0]),
-           (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q, d), pre.num_warps,
-           pre.num_stages, BLOCK_D=configs.padded_headdim(d), BLOCK_M=pre.block_m,
+           (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q), pre.num_warps,
+           pre.num_stages, HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=pre.block_m,
            EVEN_D=d == configs.padded_headdim(d), WRITE_LSE2=True, IS_VARLEN=packed)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     split = configs.hopper_backward_split_d(dp)

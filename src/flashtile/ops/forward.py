@@ -85,7 +85,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, di
 # tile and flag set instead of several per shape, which kept the 1152-case cuda grid's compile time
 # to minutes.
 @triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "max_pages", "num_pages", "left",
-                               "right", "threshold", "head_dim"])
+                               "right", "threshold"])
 def _fwd_kernel(
     Q, K, V, Out, Lse, Slopes, CuSeqQ, CuSeqK, SeqUsedK, BlockTable, Rng, Sink,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -95,7 +95,7 @@ def _fwd_kernel(
     stride_slope_b, stride_slope_h, stride_tb,
     nheads, group, sq, sk, total_q, total_k, max_pages, num_pages, left, right, qk_scale, softcap,
     threshold, dropout_scale,
-    head_dim, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -112,7 +112,7 @@ def _fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = head_dim_mask(offs_d, head_dim, EVEN_D)
+    d_mask = head_dim_mask(offs_d, HEAD_DIM, EVEN_D)
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
               + (q_start + offs_m)[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
     if PAGE_SIZE > 0:  # rows come from the page table in each step
@@ -257,9 +257,9 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
            (*strides, *alibi_strides(alibi_slopes),
             stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
-            qk_scale, softcap, threshold, dropout_scale, d),
+            qk_scale, softcap, threshold, dropout_scale),
            cfg.num_warps, cfg.num_stages,
-           BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=left is not None,
+           HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=left is not None,
            HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
            EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype), HAS_DROPOUT=has_dropout,
            HAS_SINK=sink is not None, **vl_flags)
