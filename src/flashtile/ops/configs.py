@@ -110,11 +110,15 @@ def hopper_head_dim(d: int) -> int | None:
 
 def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the Hopper kernels may take head dim d in dtype on device (the dispatches add their
-    lengths): fp16 / bf16 on sm_90, 32 < d <= 256. At the dims between 64, 128 and 256 the Triton
-    kernels mask their power-of-two tiles column by column (scalar 16-bit loads), and the Hopper
-    kernels computing at the next of those dims measured 2.5-3.6x their forward and 1.3-3.5x
-    their backward, causal or not, 1k-16k (d = 48, 80, 96, 160, 192; NOTES.md "Head dims
-    between"), so there the lengths below which d = 64 and 256 keep the Triton kernel don't apply."""
+    lengths): fp16 / bf16 on sm_90, 32 < d <= 256. At the dims between 64, 128 and 256 the Hopper
+    kernels computing at the next of those dims measured 2.3-3.9x the Triton kernels' forward and
+    1.3-3.6x their backward, causal or not, 1k-16k (d = 40-224; NOTES.md "Head dims between"),
+    whose masked tiles then made scalar 16-bit accesses; so there the lengths below which d = 64
+    and 256 keep the Triton kernel don't apply. Since the Triton kernels take the head dim as a
+    constexpr (their accesses 16 bytes wide) their forward at d = 96 / 160, 8k, measured 322-389
+    / 313-338 TFLOP/s on an H200 (the Hopper kernels 419-493 / 380-455 at 4k-16k on the H100;
+    backward 292-316 / 113-133 against 357-432 / 170-231): still behind, not yet measured
+    side by side on one GPU."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
 
