@@ -76,6 +76,8 @@ DROPOUT_CANDIDATES = {
           for c in (False, True)},
 }
 PATCH = {"forward": "forward_config", "backward": "backward_config"}
+# the Hopper kernels' dispatch, switched off while a Triton candidate runs (it would take the calls on sm_90)
+HOPPER_PATCH = {"forward": "hopper_forward_config", "backward": "hopper_backward_config"}
 DROPOUT_P = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
 
 
@@ -112,8 +114,9 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
                    for _ in range(4))
     scale, window = d ** -0.5, (None, 0 if causal else None)
     dropout = (DROPOUT_P, torch.tensor([12345, 678], dtype=torch.int64, device="cuda")) if DROPOUT_P > 0 else None
-    original = getattr(configs, PATCH[kernel])
+    original, hopper = getattr(configs, PATCH[kernel]), getattr(configs, HOPPER_PATCH[kernel])
     setattr(configs, PATCH[kernel], lambda *a, **k: cfg)
+    setattr(configs, HOPPER_PATCH[kernel], lambda *a, **k: None)
     jit = forward._fwd_kernel if kernel == "forward" else backward._bwd_kernel
     jit.__dict__.pop("_flashtile_launches", None)  # ops._launch's cache: only this config's kernels
     grads, launch_ms = None, None
@@ -137,6 +140,7 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
             f = 2.5 * 4 * b * h * seqlen * seqlen * d
     finally:
         setattr(configs, PATCH[kernel], original)
+        setattr(configs, HOPPER_PATCH[kernel], hopper)
     compiled = [c for c, _ in jit.__dict__.get("_flashtile_launches", {}).values()]
     regs = {"regs": [c.n_regs for c in compiled], "spills": [c.n_spills for c in compiled]}
     if launch_ms is not None:

@@ -107,7 +107,9 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
             signature[pname] = "fp32"
         else:
             signature[pname] = "i32"
-            if pname.startswith("stride_"):
+            # as Triton specialises a contiguous BSHD launch: 16 divides the strides, except the
+            # head stride (d itself) of a head dim that is not a multiple of 16
+            if pname.startswith("stride_") and (d % 16 == 0 or not pname.endswith("h")):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items() if n in names},
                     attrs=attrs)

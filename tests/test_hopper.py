@@ -30,12 +30,15 @@ def test_dispatch(sm90, monkeypatch):
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=8192, seqlen_q=8192, softcap=True)
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192, softcap=True)
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=1) is None
-    # head dims from 33 to 256 run at the next of 64 / 128 / 256 (configs.hopper_head_dim), at every
-    # length from 128 rows: the Triton kernel masks them column by column
+    # head dims from 33 to 256 run at the next of 64 / 128 / 256 (configs.hopper_head_dim) from 128
+    # rows, at every length where the Triton kernel's accesses are scalar (configs.hopper_takes) or
+    # slower (d=160 causal 1k); d=48, which that kernel reads whole, keeps d=64's cuts
     assert configs.hopper_forward_config(96, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192).block_m == 128
     assert configs.hopper_forward_config(48, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096).block_m == 192
-    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512).block_m == 192
-    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512, softcap=True)
+    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=2048, seqlen_q=2048) is None
+    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192, softcap=True) is None
+    assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512).block_m == 192
+    assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512, softcap=True)
     assert configs.hopper_forward_config(160, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024).block_n == 64
     assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=127) is None
     for d in (16, 32, 264):  # unmasked Triton tiles; past the Hopper kernels

@@ -9,6 +9,7 @@ into the caller's buffer, reruns and CUDA-graph replay."""
 import pytest
 import torch
 
+from flashtile._checks import Varlen
 from flashtile.bench.harness import capture
 from flashtile.ops import backward, configs, forward
 from flashtile.reference.dropout import DropoutMask, draw_rng
@@ -282,7 +283,7 @@ def test_batch_times_heads_past_65535(hopper_launches, hopper_backward_launches,
 DROPOUT_SEQLENS = [(113, 203), (256, 512), (1023, 1024), (1024, 1023), (300, 17), (2048, 2048)]
 
 
-PADDED_DIMS = [8, 40, 72, 96, 120, 136, 160, 200, 248]
+PADDED_DIMS = [40, 48, 72, 96, 120, 136, 160, 200, 248]
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
@@ -292,8 +293,8 @@ PADDED_DIMS = [8, 40, 72, 96, 120, 136, 160, 200, 248]
 def test_padded_head_dims(hopper_launches, hopper_backward_launches, d, sq, sk, causal, heads):
     """Head dims between the kernels' 64 / 128 / 256 (configs.hopper_head_dim): boxes as wide as
     the kernel's head dim over the narrower tensors read zeros past d and clip the stores, so the
-    output, LSE and dQ/dK/dV agree with the oracle (2x rule; outputs poisoned first, so a column
-    written past d of a view into a wider buffer would show). fp16 and bf16 alternate by d."""
+    output, LSE and dQ/dK/dV agree with the oracle (2x rule, outputs poisoned first). Nothing
+    written past d: test_padded_head_dims_write_nothing_past_d. fp16 and bf16 alternate by d."""
     dtype = torch.bfloat16 if d % 16 else torch.float16
     check_prefill(2, sq, sk, *heads, d, dtype, "cuda", causal=causal)
     assert hopper_launches and hopper_backward_launches
@@ -308,6 +309,41 @@ def test_padded_head_dims_with(hopper_launches, hopper_backward_launches, d, cas
     """The padded head dims beside every flag of the Hopper kernels, and strided (BHSD) tensors,
     whose rows are not contiguous: a box's columns past d must not read the next head's."""
     check_prefill(2, 700, 900, 4, 2, d, torch.bfloat16, "cuda", **case)
+    assert hopper_launches and hopper_backward_launches
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "varlen"])
+@pytest.mark.parametrize("d", [40, 96, 160], ids=["d40", "d96", "d160"])
+def test_padded_head_dims_write_nothing_past_d(hopper_launches, hopper_backward_launches, d, packed):
+    """The output and dQ, dK, dV as views into NaN-filled buffers 24 columns wider (8 before, 16
+    after; rows of 16-byte multiples, as TMA needs): the columns around them stay NaN, the views
+    equal the calls into tensors of their own. A packed batch's dK and dV leave through pointer
+    stores masked at HEAD_DIM, the others by TMA, clipped at d."""
+    lens = [300, 0, 17, 700, 129]
+    n_q, n_k = (sum(lens), sum(lens)) if packed else (700, 900)
+    shape_q, shape_k = ((n_q, 4, d), (n_k, 2, d)) if packed else ((2, n_q, 4, d), (2, n_k, 2, d))
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in (shape_q, shape_k, shape_k))
+    dout = torch.randn_like(q)
+    varlen = None
+    if packed:
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+        varlen = Varlen(cu, cu, max(lens), max(lens))
+    scale, window = d ** -0.5, (None, 0)
+
+    def wide_view(like):
+        buf = torch.full((*like.shape[:-1], d + 24), float("nan"), dtype=like.dtype, device="cuda")
+        return buf, buf[..., 8:8 + d]
+
+    (out_buf, out), (dq_buf, dq), (dk_buf, dk), (dv_buf, dv) = map(wide_view, (q, q, k, v))
+    out, lse = forward.attention_forward(q, k, v, scale, window, out=out, varlen=varlen)
+    backward.attention_backward(dout, q, k, v, out, lse, scale, window, dq=dq, dk=dk, dv=dv, varlen=varlen)
+    ref_out, ref_lse = forward.attention_forward(q, k, v, scale, window, varlen=varlen)
+    ref = backward.attention_backward(dout, q, k, v, ref_out, ref_lse, scale, window, varlen=varlen)
+    assert torch.equal(out, ref_out)
+    for buf, view, r in ((dq_buf, dq, ref[0]), (dk_buf, dk, ref[1]), (dv_buf, dv, ref[2])):
+        torch.testing.assert_close(view, r, atol=2e-3, rtol=1e-2)  # dQ: the sum order varies
+    for buf in (out_buf, dq_buf, dk_buf, dv_buf):
+        assert buf[..., :8].isnan().all() and buf[..., 8 + d:].isnan().all()
     assert hopper_launches and hopper_backward_launches
 
 

@@ -26,6 +26,20 @@ def test_grid(d, sq, sk, dtype, causal, heads):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(1023, 1024), (2048, 2048)], ids=["1023x1024", "2048x2048"])
+@pytest.mark.parametrize("d", [40, 48, 96, 160, 200])
+def test_triton_kernels_at_uneven_head_dims(monkeypatch, d, sq, sk, causal):
+    """The Triton kernels with their head dim a constexpr (16-byte masked accesses and cp.async at
+    multiples of 16) on long rows, which the Hopper kernels take on an H100 (switched off here):
+    the grid above reaches them at these dims only below 128 query rows."""
+    from flashtile.ops import configs
+
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: None)
+    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
+    check_prefill(2, sq, sk, 4, 2, d, torch.bfloat16, "cuda", causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_batch_times_heads_past_65535(causal):
     """The Triton kernels (64 rows, d=64: below the Hopper kernels' lengths) with batch x heads past
     a grid axis; causal runs the dK/dV launch's head-chunked 1-D grid, full its 2-D one."""

@@ -157,10 +157,12 @@ def head_dim_mask(offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
     """(1, BLOCK_D) mask of the real head dims. With d a power of two it is a constant, so a mask
     made of it and a row mask stays constant along each row and the loads/stores it guards are
     vectorised. Other head dims are compared against HEAD_DIM, a constexpr: the compiler then
-    knows the mask constant over runs of the largest power of two dividing d (32 at d=96, 8 at
-    d=40), so d a multiple of 8 keeps 16-byte accesses (and the forward's cp.async pipeline);
-    against a runtime head dim every access was a 16-bit scalar (ptxas: 192 16-bit loads and 128
-    16-bit stores in the dK/dV kernel at d=128; at d=96 the forward's 320 scalar loads)."""
+    knows the mask constant over runs of the largest power of two dividing d (32 at d=96), so a
+    multiple of 16 keeps 16-byte accesses (and the forward's cp.async pipeline); against a runtime
+    head dim every access was a 16-bit scalar (ptxas: 192 16-bit loads and 128 16-bit stores in
+    the dK/dV kernel at d=128; at d=96 the forward's 320 scalar loads). A multiple of 8 only (40,
+    72, ...) stays scalar all the same: the head stride of a BSHD tensor is d, and Triton marks an
+    int argument aligned only when 16 divides it (tests/test_codegen.py)."""
     if EVEN_D:
         return tl.full([1, offs_d.shape[0]], 1, tl.int1)
     return offs_d[None, :] < HEAD_DIM

@@ -84,10 +84,14 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     With ALiBi (prefill.json section alibi, eb02e29, this kernel / the Triton kernel at 1k / 4k /
     16k) d=128 1.24-1.31x, causal 1.09-1.31x; d=256 1.23-1.24x, causal 4k / 16k 1.31 / 1.28x;
     d=64 0.96 / 1.04 / 1.08x, causal 4k / 16k 1.01 / 1.12x: the cuts above stand.
+    The d=64 cuts hold for d=48 too (hopper_takes: there the Triton kernel runs the d=64 tiles
+    with whole 16-byte accesses, measured against the Hopper kernel on no GPU yet); other head dims
+    computed at 64 or 256 take this kernel from 128 rows (hopper_takes).
     """
     if not hopper_takes(d, dtype, device) or seqlen_q < 128:
         return None
-    if d == 64 and (seqlen_k < (4096 if causal else 1024) or (causal and softcap)):
+    whole = d % 16 == 0  # the Triton kernel's accesses 16 bytes wide (hopper_takes)
+    if hopper_head_dim(d) == 64 and whole and (seqlen_k < (4096 if causal else 1024) or (causal and softcap)):
         return None
     if d == 256 and causal and seqlen_k < 2048:
         return None
@@ -96,7 +100,7 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
 
 HOPPER_HEAD_DIMS = (64, 128, 256)
 # Head dims up to this one keep the Triton kernels: d=32 computed at 64 measured forward 0.89-1.07x,
-# backward 0.86-0.97x the Triton kernels' unmasked 32-column tiles (NOTES.md "Head dims between").
+# backward 0.86-0.99x the Triton kernels' unmasked 32-column tiles (NOTES.md "Head dims between").
 HOPPER_MAX_TRITON_HEAD_DIM = 32
 
 
@@ -115,10 +119,12 @@ def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
     1.3-3.6x their backward, causal or not, 1k-16k (d = 40-224; NOTES.md "Head dims between"),
     whose masked tiles then made scalar 16-bit accesses; so there the lengths below which d = 64
     and 256 keep the Triton kernel don't apply. Since the Triton kernels take the head dim as a
-    constexpr (their accesses 16 bytes wide) their forward at d = 96 / 160, 8k, measured 322-389
-    / 313-338 TFLOP/s on an H200 (the Hopper kernels 419-493 / 380-455 at 4k-16k on the H100;
-    backward 292-316 / 113-133 against 357-432 / 170-231): still behind, not yet measured
-    side by side on one GPU."""
+    constexpr, their accesses at multiples of 16 are 16 bytes wide (at other multiples of 8 the
+    head stride, d itself, still makes them scalar). Their forward at d = 96 / 160, 8k, then
+    measured 322-389 / 313-338 TFLOP/s on an H200: still behind the Hopper kernels' 419-493 /
+    380-455 at 4k-16k on the H100. Backward: 292-316 / 113-133 against 357-432 / 170-231. At
+    d=160 causal 1k: 203 against 278. That is not yet one GPU side by side. d=48 runs the d=64
+    Triton tiles whole, so hopper_forward_config keeps d=64's cuts for it."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
 
