@@ -1070,9 +1070,9 @@ def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) -> bool:
 
 def sm90_boxes(cfg, d: int) -> dict:
     """(rows, columns) of the TMA boxes of _bwd_kernel_sm90's BSHD descriptors, by parameter name,
-    for tiles cfg at the kernel's head dim d (configs.hopper_head_dim): K and V in a box per consumer
-    warpgroup (half the program's keys),
-    or with SPLIT_D one box that both share, and dK / dV in a box per warpgroup's columns."""
+    for tiles cfg at the kernel's head dim d (configs.hopper_head_dim): K and V in a box per
+    consumer warpgroup (half the program's keys), or with SPLIT_D one box that both share, and
+    dK / dV in a box per warpgroup's columns."""
     split = configs.hopper_backward_split_d(d)
     keys = cfg.block_n if split else cfg.block_n // 2
     kv_cols = d // 2 if split else d

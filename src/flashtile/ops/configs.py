@@ -215,8 +215,8 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
 
 
 def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) -> BlockConfig:
-    """The Hopper backward's tiles at head dim d (computed at hopper_head_dim(d)): 128 keys per program at d <= 128;
-    Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its
+    """The Hopper backward's tiles at head dim d (computed at hopper_head_dim(d)): 128 keys per
+    program at d <= 128; Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its
     240 registers) and of 128 rows at d=64, where half as many steps carry the per-step waits:
     1.02-1.09x the 64-row blocks' backward at 1k-16k, causal or not (ab_bwd_d64_rows128.txt, two
     alternating rounds), although ptxas then spills a few loop scalars. d=256: 64 keys shared by
