@@ -53,6 +53,16 @@ def test_dispatch(sm90, monkeypatch):
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
 
 
+def test_head_dims_the_hopper_kernels_compute_at(sm90):
+    """configs.hopper_head_dim: the next of 64 / 128 / 256, None past 256; hopper_takes draws the
+    dispatch's line at 32 (the Triton kernels' whole 32-column tiles) and 256."""
+    cases = {1: 64, 33: 64, 64: 64, 65: 128, 96: 128, 128: 128, 129: 256, 200: 256, 256: 256, 257: None}
+    assert {d: configs.hopper_head_dim(d) for d in cases} == cases
+    taken = [d for d in (8, 16, 32, 33, 40, 48, 256, 264) if configs.hopper_takes(d, torch.bfloat16, CUDA)]
+    assert taken == [33, 40, 48, 256]
+    assert not configs.hopper_takes(96, torch.float32, CUDA) and not configs.hopper_takes(96, torch.bfloat16, torch.device("cpu"))
+
+
 def qkv(b=2, s=256, h=4, d=128):
     return [torch.randn(b, s, h, d, dtype=torch.bfloat16) for _ in range(3)]
 
