@@ -120,11 +120,10 @@ def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
     whose masked tiles then made scalar 16-bit accesses; so there the lengths below which d = 64
     and 256 keep the Triton kernel don't apply. Since the Triton kernels take the head dim as a
     constexpr, their accesses at multiples of 16 are 16 bytes wide (at other multiples of 8 the
-    head stride, d itself, still makes them scalar). Their forward at d = 96 / 160, 8k, then
-    measured 322-389 / 313-338 TFLOP/s on an H200: still behind the Hopper kernels' 419-493 /
-    380-455 at 4k-16k on the H100. Backward: 292-316 / 113-133 against 357-432 / 170-231. At
-    d=160 causal 1k: 203 against 278. That is not yet one GPU side by side. d=48 runs the d=64
-    Triton tiles whole, so hopper_forward_config keeps d=64's cuts for it."""
+    head stride, d itself, still makes them scalar); against those, side by side on the H100
+    (prefill_padded_dims.json), the Hopper kernels measured forward 1.09-1.50x and backward
+    1.19-2.19x at d = 48-224, 1k-16k, causal or not, where they run. d=48 runs the d=64 Triton tiles whole, so
+    hopper_forward_config keeps d=64's cuts for it."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
 
