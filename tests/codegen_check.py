@@ -159,12 +159,13 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
 
 
 def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False,
-                            alibi: bool = False, head_chunk: int | None = None):
+                            alibi: bool = False, head_chunk: int | None = None, deterministic: bool = False):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes), its programs in
     chunks of head_chunk (batch, K/V head) rows; by default as configs.hopper_backward_head_chunk
     chooses for 8k tokens (4 at d=128 with a causal mask, else 1: the plain 3D grid). d: the tensors'
-    head dim, computed at configs.hopper_head_dim(d)."""
+    head dim, computed at configs.hopper_head_dim(d). deterministic: dQ's additions in a fixed order
+    (the dQ writer partition)."""
     d, head_dim = configs.hopper_head_dim(d), d
     if head_chunk is None:
         head_chunk = 4 if causal and d == 128 else 1
@@ -176,7 +177,9 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  DEFER_DQ=configs.hopper_backward_defer_dq(d), SPLIT_D=configs.hopper_backward_split_d(d),
                  HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap,
-                 HAS_ALIBI=alibi, HEAD_CHUNK=head_chunk, HEAD_DIM=head_dim)
+                 HAS_ALIBI=alibi, HEAD_CHUNK=head_chunk, HEAD_DIM=head_dim, DETERMINISTIC=deterministic)
+    if not deterministic:
+        const["Turns"] = None
     if not alibi:
         const["Slopes"] = None
     if not dropout:
@@ -197,7 +200,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
             signature[n] = f"tensordesc<fp32[{cfg.block_m}],{backward.ROW_LAYOUT!r}>"
         else:
             signature[n] = ("fp32" if n in ("qk_scale", "softcap", "dk_scale", "dropout_scale") else
-                            "*i64" if n == "Rng" else "*i32" if n in ("CuSeqQ", "CuSeqK") else
+                            "*i64" if n == "Rng" else "*i32" if n in ("CuSeqQ", "CuSeqK", "Turns") else
                             "*fp32" if n == "Slopes" else
                             "*bf16" if n in ("DK", "DV") else "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
@@ -356,8 +359,13 @@ if __name__ == "__main__":
                                               softcap="--softcap" in argv, alibi="--alibi" in argv)
         else:
             compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv,
-                                               alibi="--alibi" in argv)
-        print(json.dumps(ptxas_report(compiled)))
+                                               alibi="--alibi" in argv, deterministic="--deterministic" in argv)
+        report = ptxas_report(compiled)
+        if "--deterministic" in argv:  # the dQ writer's acquire poll, release count and full bulk wait
+            ptx = compiled.asm["ptx"]
+            report["ordered"] = [ptx.count("ld.acquire.gpu"), ptx.count("red.release.gpu"),
+                                 len(re.findall(r"cp\.async\.bulk\.wait_group 0;", ptx))]
+        print(json.dumps(report))
         sys.exit(0)
     flags = {}
     if "--flags" in argv:

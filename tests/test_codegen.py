@@ -95,6 +95,21 @@ def test_hopper_backward_compiles_for_sm90(d, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_backward_compiles_deterministic(d, causal):
+    """deterministic: the dQ writer partition has its acquire poll of the turn, its full bulk wait
+    (cp.async.bulk.wait_group 0, not .read) and its release count, once each; the consumers keep
+    the 240 registers, asynchronous wgmmas and the spill bounds of the any-order kernel, and the
+    handoff's barriers fit the shared memory."""
+    report = memory_ops("backward-sm90", d, "--deterministic", *(["--causal"] if causal else []))
+    assert report["ordered"] == [1, 1, 1], report
+    assert report["spill_bytes"] <= {64: 208, 128: 32}[d], report
+    assert not report["wgmma_serialised"], report
+    assert {24, 240} <= set(report["setmaxnreg"]), report
+    assert report["shared_bytes"] <= 227 * 1024, report
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kernel", ["forward-sm90", "backward-sm90"])
 def test_hopper_kernels_compile_with_dropout(kernel, d, causal):

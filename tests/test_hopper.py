@@ -157,7 +157,7 @@ def test_supports_packed_batches():
 
 # ---------------------------------------------------------------------------------------------
 # The Hopper backward (ops.backward._bwd_kernel_sm90): dispatch, what it takes, and that asking
-# for a deterministic backward keeps it away.
+# for a deterministic backward reaches it.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -233,11 +233,13 @@ def test_backward_supports(refused):
     assert backward._hopper_supports(q, k, v, dout, dk, dv, **args) == (refused == "none")
 
 
+@pytest.mark.parametrize("d", [16, 256])
 @pytest.mark.parametrize("how", ["default", "deterministic=True", "torch.use_deterministic_algorithms"])
-def test_deterministic_keeps_the_triton_backward(monkeypatch, how):
-    """flash_attn_func's deterministic (and torch's global switch) reach the backward: with either,
-    the Hopper kernel (whose dQ sums in a varying order) is never launched. Run on the CPU with
-    the dispatch forced and the launch replaced by a recorder that raises."""
+def test_deterministic_reaches_the_hopper_backward(monkeypatch, how, d):
+    """flash_attn_func's deterministic (and torch's global switch) reach the Hopper backward's
+    launch, whose dQ then adds in a fixed order; a deterministic call at a head dim the kernel
+    computes at 256 (SPLIT_D, dQ in no fixed order) keeps the Triton programs. Run on the CPU with
+    the dispatch forced and the launch replaced by a recorder that raises with its last argument."""
     import flashtile
     from flashtile.ops import backward
 
@@ -245,21 +247,33 @@ def test_deterministic_keeps_the_triton_backward(monkeypatch, how):
         pass
 
     def record(*args):
-        raise Launched
+        raise Launched(args[-1])
 
     monkeypatch.setattr(configs, "hopper_backward_config", lambda d, *a, **kw: configs.hopper_backward_tiles(d))
     monkeypatch.setattr(backward, "_launch_sm90", record)
-    q, k, v = (torch.randn(1, 40, 2, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 40, 2, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
     if how == "torch.use_deterministic_algorithms":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=how == "deterministic=True")
     dout = torch.randn_like(out)  # (out.sum()'s would be expanded: stride 0, which TMA cannot read)
-    if how == "default":
-        with pytest.raises(Launched):
-            out.backward(dout)
-    else:
+    deterministic = how != "default"
+    if deterministic and d == 256:
         out.backward(dout)
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    else:
+        with pytest.raises(Launched) as launched:
+            out.backward(dout)
+        assert launched.value.args[0] is deterministic
+
+
+def test_ordered_backward_dispatch():
+    """Where a deterministic backward takes the Hopper kernel in its fixed order: not at head dims
+    computed at 256 (no fixed order there), nor at d=64 without a right bound below 4k keys (the
+    Triton programs measured faster there)."""
+    assert configs.hopper_backward_ordered(128, 1024, False) and configs.hopper_backward_ordered(96, 1024, False)
+    assert configs.hopper_backward_ordered(64, 1024, True) and configs.hopper_backward_ordered(48, 4096, False)
+    assert not configs.hopper_backward_ordered(64, 4095, False) and not configs.hopper_backward_ordered(40, 2048, False)
+    assert not any(configs.hopper_backward_ordered(d, 16384, True) for d in (160, 256))
 
 
 def test_forward_persistent():

@@ -249,27 +249,79 @@ def test_backward_reruns(hopper_backward_launches, d):
         dq, dk, dv = _grads(q, k, v, dout, (None, 0))
         assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
         torch.testing.assert_close(dq, first[0], atol=2e-3, rtol=1e-2)
-    launches = len(hopper_backward_launches)
-    ref = _grads(q, k, v, dout, (None, 0), deterministic=True)
-    assert len(hopper_backward_launches) == launches  # deterministic=True: not this kernel
+    ref = _grads(q, k, v, dout, (None, 0), deterministic=True)  # this kernel in its fixed order (d <= 128)
     for a, b in zip(first, ref):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
-def test_backward_cuda_graph(hopper_backward_launches, d):
+@pytest.fixture
+def deterministic_launches(hopper_backward_launches, monkeypatch):
+    """As hopper_backward_launches, every launch asked for dQ's additions in their fixed order
+    (deterministic, _launch_sm90's last argument)."""
+    launch = backward._launch_sm90
+    monkeypatch.setattr(backward, "_launch_sm90", lambda *a: launch(*a[:-1], True))
+    return hopper_backward_launches
+
+
+ORDERS = {"full": dict(), "causal": dict(causal=True), "window": dict(window=(100, 20)),
+          "left": dict(window=(64, -1)), "right": dict(window=(-1, 64))}
+
+
+@pytest.mark.parametrize("case", ORDERS.values(), ids=ORDERS.keys())
+@pytest.mark.parametrize("sq,sk", [(700, 900), (900, 700), (1024, 1024)], ids=["700x900", "900x700", "1024x1024"])
+@pytest.mark.parametrize("d", [64, 96, 128], ids=["d64", "d96", "d128"])
+def test_deterministic_backward(deterministic_launches, d, sq, sk, case):
+    """dQ's additions in the fixed order (_dq_order: each key block's turn at a Q block is inverted
+    from block_range's rows, so a wrong count would hang or drop an addition): 2x rule against the
+    float64 oracle, GQA, every side of the mask and sq != sk."""
+    check_prefill(2, sq, sk, 4, 2, d, torch.bfloat16, "cuda", **case)
+    assert deterministic_launches
+
+
+@pytest.mark.parametrize("case", [dict(causal=True, dropout_p=0.1), dict(window=(300, 0)), dict()],
+                         ids=["causal-dropout", "window", "full"])
+def test_deterministic_backward_varlen(deterministic_launches, case):
+    """A packed batch: the counters are per sequence (its rows from 0) and query head."""
+    lens = [700, 1, 1300, 64, 2000]
+    check_varlen(lens, lens[::-1], 4, 2, 128, torch.bfloat16, "cuda", **case)
+    assert deterministic_launches
+
+
+@pytest.mark.parametrize("d,causal,heads", [(128, True, (16, 4)), (128, False, (16, 4)), (64, True, (32, 32)),
+                                            (96, False, (16, 16))], ids=["d128-causal-gqa", "d128-gqa", "d64-causal",
+                                                                         "d96"])
+def test_deterministic_backward_reruns(hopper_backward_launches, d, causal, heads):
+    """deterministic=True takes the Hopper backward at d <= 128: 30 reruns, dQ, dK, dV bitwise equal
+    (the any-order kernel's dQ differed between reruns of the first shape)."""
+    q, k, v = make_qkv(4, 4096, 4096, *heads, d, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    window = (None, 0 if causal else None)
+    first = _grads(q, k, v, dout, window, deterministic=True)
+    for _ in range(30):
+        for name, a, b in zip(("dq", "dk", "dv"), _grads(q, k, v, dout, window, deterministic=True), first):
+            assert torch.equal(a, b), name
+    assert len(hopper_backward_launches) == 31
+
+
+@pytest.mark.parametrize("d,deterministic", [(64, False), (128, False), (256, False), (64, True), (128, True)],
+                         ids=["d64", "d128", "d256", "d64-deterministic", "d128-deterministic"])
+def test_backward_cuda_graph(hopper_backward_launches, d, deterministic):
     """Captured once, replayed on new inputs: dK, dV bitwise equal to eager calls, dQ to the sum
-    order (the fp32 dQ buffer is allocated and zeroed inside the graph)."""
+    order, or bitwise with deterministic (the fp32 dQ buffer and the order's counters are
+    allocated and zeroed inside the graph)."""
     q, k, v = make_qkv(2, 2048, 2048, 8, 2, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
-    graph, captured = capture(lambda: _grads(q, k, v, dout, (None, 0)))
+    graph, captured = capture(lambda: _grads(q, k, v, dout, (None, 0), deterministic=deterministic))
     for _ in range(3):
         for t in (q, k, v, dout):
             t.copy_(torch.randn_like(t))
         graph.replay()
-        dq, dk, dv = _grads(q, k, v, dout, (None, 0))
+        dq, dk, dv = _grads(q, k, v, dout, (None, 0), deterministic=deterministic)
         assert torch.equal(captured[1], dk) and torch.equal(captured[2], dv)
-        torch.testing.assert_close(captured[0], dq, atol=2e-3, rtol=1e-2)
+        if deterministic:
+            assert torch.equal(captured[0], dq)
+        else:
+            torch.testing.assert_close(captured[0], dq, atol=2e-3, rtol=1e-2)
     assert hopper_backward_launches
 
 
@@ -597,8 +649,9 @@ def test_varlen_long_and_many_short(hopper_launches, hopper_backward_launches):
 
 def test_varlen_reruns(hopper_launches, hopper_backward_launches):
     """A packed batch with dropout, 10 reruns of the Hopper kernels (one seed): out, dK and dV
-    bitwise equal, dQ (TMA reductions in the order programs finish) to fp32 rounding; and against
-    the Triton backward (deterministic=True), equal up to rounding."""
+    bitwise equal, dQ (TMA reductions in the order programs finish) to fp32 rounding; with
+    deterministic=True (the same kernel, dQ in its fixed order) all bitwise equal over 5 reruns
+    and equal to the first up to rounding."""
     from flashtile import flash_attn_varlen_func
 
     lens = [700, 1, 1300, 64, 4000]
@@ -619,6 +672,9 @@ def test_varlen_reruns(hopper_launches, hopper_backward_launches):
         assert torch.equal(out, first[0]) and torch.equal(dk, first[2]) and torch.equal(dv, first[3])
         torch.testing.assert_close(dq, first[1], atol=2e-3, rtol=1e-2)
     assert len(hopper_backward_launches) == 11
-    for a, b in zip(first, run(deterministic=True)):
+    ordered = run(deterministic=True)
+    for a, b in zip(first, ordered):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-    assert len(hopper_backward_launches) == 11
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(run(deterministic=True), ordered))
+    assert len(hopper_backward_launches) == 17

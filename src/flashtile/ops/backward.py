@@ -15,7 +15,7 @@ FA2 instead adds dS K into an fp32 dQ with atomics inside the dK/dV loop (5 matm
 pair). That path was built in Triton and measured on the H100 (bf16, seqlen 512-16k, d 64/128/256):
 6-20% slower for the whole backward than the dQ programs at every shape, so it was removed
 (benchmarks/results/h100/NOTES.md). The Hopper variant at the end of this file does it in Gluon,
-with TMA reductions, and is faster there; deterministic=True keeps these programs. Both loops
+with TMA reductions, and is faster there (with deterministic=True in a fixed order). Both loops
 skip the blocks that the mask hides and run the fully visible ones without mask work
 (ops._common.block_range). dK/dQ are scaled by softmax_scale once at the end.
 The forward's flags carry over: IS_VARLEN (each program finds its sequence in cu_seqlens; programs
@@ -458,9 +458,11 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     given dq/dk/dv when passed (e.g. views of one packed gradient buffer). Keys past seqused_k get
     zero gradients. delta: where to leave delta = rowsum(dO * O), shaped like lse (the attention
     sink's gradient is made of it: autograd.sink_grad); by default a buffer of its own.
-    deterministic: bitwise reproducible gradients (the Triton programs, dQ without atomics);
-    otherwise the Hopper kernel takes the calls it supports (configs.hopper_backward_config), and
-    its dQ sums the key blocks in an order that varies from run to run (as flash-attn's).
+    deterministic: bitwise reproducible gradients. The Triton programs always are (dQ without
+    atomics); the Hopper kernel (configs.hopper_backward_config, the calls it supports) then adds
+    dQ's parts in a fixed order, else in the order the programs come (as flash-attn's), which
+    varies from run to run. Deterministic calls keep the Triton programs where those measured
+    faster or the Hopper kernel has no fixed order (configs.hopper_backward_ordered).
     accumulate_dq: dq is a float32 tensor shaped like q, and the call adds dQ / softmax_scale into
     it: the sum the Hopper kernel keeps anyway, left unscaled (ring attention sums the dQ of a
     shard's pieces so, without a buffer per piece, and scales the sum once; with dropout the
@@ -492,12 +494,13 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         dv.zero_()
         return dq, dk, dv
 
-    hopper = None if deterministic else configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq,
-                                                                        dropout=has_dropout, softcap=softcap > 0)
+    hopper = configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq, dropout=has_dropout,
+                                            softcap=softcap > 0)
     if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) \
-            and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, q, k, varlen):
+            and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, q, k, varlen) \
+            and (not deterministic or configs.hopper_backward_ordered(d, sk, right is not None)):
         _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
-                     dropout, varlen, softcap, alibi_slopes)
+                     dropout, varlen, softcap, alibi_slopes, deterministic)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -547,7 +550,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 
 # ----------------------------------------------------------------------------------------------
 # Hopper (sm_90) variant in Gluon: FA2's backward with dQ added up by the copy engine (FA3's
-# design), for calls that do not ask for a deterministic backward.
+# design).
 #
 # A program owns 128 keys of one K/V head and loops over the Q blocks (64 rows at d=128, 128 at
 # d=64: configs.hopper_backward_tiles) of its GQA group's heads that can see them. A one-warp
@@ -556,10 +559,12 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # keys each and work in the transposed orientation, so P^T and dS^T are register operands of the
 # dV and dK products (FA2's 4 matrix products per block pair, all wgmma). The fifth, dQ += dS K,
 # needs every key of the block: both warpgroups leave dS^T in shared memory, each multiplies it
-# by its half of K's columns and hands its half of the dQ tile to TMA's reduce-add into an fp32
-# buffer (cp.reduce.async.bulk), which ops.backward scales and casts at the end. 5 products per
-# block pair instead of the Triton path's 7, at the price of an order of additions that changes
-# from run to run: deterministic=True keeps the Triton path.
+# by its half of K's columns and hands its half of the dQ tile to a one-warp writer, which adds
+# both halves into an fp32 buffer by TMA's reduce-add (cp.reduce.async.bulk); ops.backward scales
+# and casts it at the end. 5 products per block pair instead of the Triton path's 7. The additions
+# come in whatever order the programs reach a Q block, unless deterministic=True: then each
+# (Q block, query head) has a counter that admits the key blocks one by one in a fixed order
+# (_dq_order), FlashAttention-3's scheme, and only the writer waits for it.
 #
 # Packed batches (IS_VARLEN, as the Triton programs): a program finds its sequence in cu_seqlens,
 # the copies address the packed tensors as one sequence of all the rows, and dK / dV leave through
@@ -578,6 +583,91 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """dst[box at coord] += src, by the copy engine (Gluon 3.6 has the op in its builder only)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _dq_order(n, n_blocks, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HAS_RIGHT: gl.constexpr):
+    """(a, c): what _dq_turn needs of key block n (of n_blocks of BLOCK_N keys), computed once.
+
+    The deterministic order of dQ's additions is the order in which the programs reach a Q block,
+    so that a program seldom waits. Under a right bound (causal) a program starts at the first rows
+    that see its keys, so the last key block that sees a Q block reaches it first: descending order,
+    and n's turn at the rows from start_m is last(start_m) - n, last = min(n_blocks - 1,
+    (start_m + BLOCK_M - 1 - (sq - sk) + right) // BLOCK_N). Without one every program starts at
+    its first rows together: ascending, n - first(start_m) with first = max(start_m - (sq - sk) -
+    left, 0) // BLOCK_N (0 without a left bound). These invert the rows the programs take from
+    block_range (keys over rows, _bwd_kernel_sm90), so the key blocks counted are exactly those
+    whose programs visit the rows."""
+    if HAS_RIGHT:  # floor division is exact here: start_m + c >= 0 wherever key block n visits
+        return n_blocks - 1 - n, BLOCK_M - 1 - (sq - sk) + right - n * BLOCK_N
+    else:
+        return n, (sq - sk) + left
+
+
+@gluon.jit
+def _dq_turn(start_m, a, c, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Additions into the dQ rows from start_m that come before this program's (a, c: _dq_order)."""
+    if HAS_RIGHT:
+        turn = gl.minimum(a, (start_m + c) // BLOCK_N)
+    elif HAS_LEFT:
+        turn = a - gl.maximum(start_m - c, 0) // BLOCK_N
+    else:
+        turn = a
+    return turn
+
+
+@gluon.jit
+def _dq_wait_turn(counter, turn):
+    """Return once the Q block's counter shows `turn` earlier additions, each complete in L2: an
+    acquire poll (the counts are releases, _dq_counted), then a proxy fence, so the reduction that
+    follows (the async proxy) comes after what the poll saw. Every lane polls the same word."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 v;\n"
+        "spin_${:uid}: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra spin_${:uid};\n"
+        "fence.proxy.async.global; mov.b32 $0, v; }", "=r,l,r", [counter, turn], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_counted(counter):
+    """Count this program's addition into the Q block as done once its reductions are complete in
+    L2 (`cp.async.bulk.wait_group 0`: tma.store_wait waits only until shared memory has been read):
+    the issuing lane's wait, a proxy fence, the warp's barrier, then lane 0's release add. A relaxed
+    count let the next program's reduction reach L2 first (NOTES.md, "Deterministic Hopper
+    backward"); these fences stall only the writer warp."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l;\n"
+        "cp.async.bulk.wait_group 0; fence.proxy.async.global; bar.warp.sync -1;\n"
+        "mov.u32 l, %laneid; setp.eq.u32 p, l, 0; @p red.release.gpu.global.add.s32 [$1], 1;\n"
+        "mov.b32 $0, 0; }", "=r,l", [counter], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads, rows_pad,
+                       start_n, lo, n_m, sq, sk, left, right, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                       HAS_RIGHT: gl.constexpr):
+    """dQ writer partition (DETERMINISTIC, not with SPLIT_D): step by step (the consumers' order) it
+    waits for the step's Q block to have had every earlier addition (_dq_turn, on its counter in
+    Turns: one per Q block of rows_pad and query head, b the sequence or batch), then for both
+    consumers' halves of the dQ tile, reduces them into the fp32 dQ at (tb, q0 + rows) by TMA (as
+    _bwd_sm90_dq_out's), hands the buffers back once read and counts its addition once complete."""
+    BLOCK_M: gl.constexpr = dq_desc.block_type.shape[1]
+    HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
+    a, c = _dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
+    m_blocks = rows_pad // BLOCK_M
+    for i in range(group * n_m):
+        h = hk * group + i // n_m
+        start_m = lo + (i % n_m) * BLOCK_M
+        counter = Turns + (b * nheads + h).to(gl.int64) * m_blocks + start_m // BLOCK_M
+        _dq_wait_turn(counter, _dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
+        for half in gl.static_range(2):
+            mbarrier.wait(dq_full.index(half), i & 1)
+            _tma_reduce_add(dq_desc, [tb, q0 + start_m, h, half * HALF_D], dq_bufs.index(half))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(0), count=1)
+        mbarrier.arrive(dq_empty.index(1), count=1)
+        _dq_counted(counter)
 
 
 @gluon.jit
@@ -616,13 +706,13 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 
 @gluon.jit
 def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                      dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk, group,
-                      start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap,
+                      dq_bufs, handoff, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk,
+                      group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap,
                       dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
                       stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT: gl.constexpr,
                       HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                       HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                      HEAD_DIM: gl.constexpr):
+                      HEAD_DIM: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
     its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
@@ -685,23 +775,25 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
             dk, dv = _bwd_sm90_step(0, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
+                                    dq_bufs, handoff, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk,
+                                    group, lo,
                                     n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
                                     s_zero, dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, True, False, HAS_SOFTCAP,
-                                    HAS_DROPOUT, HAS_ALIBI)
+                                    HAS_DROPOUT, HAS_ALIBI, DETERMINISTIC)
         for i in range(1 if DEFER_DQ else 0, n_steps):
             dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                    dq_bufs, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
+                                    dq_bufs, handoff, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk,
+                                    group, lo,
                                     n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
                                     s_zero, dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_SOFTCAP,
-                                    HAS_DROPOUT, HAS_ALIBI)
+                                    HAS_DROPOUT, HAS_ALIBI, DETERMINISTIC)
         if DEFER_DQ:
             last = n_steps - 1
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
-            _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, q0 + lo + (last % n_m) * BLOCK_M, hk * group + last // n_m,
-                             half)
+            _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, last, tb, q0 + lo + (last % n_m) * BLOCK_M,
+                             hk * group + last // n_m, half, DETERMINISTIC)
     tma.store_wait(0)
     # both warpgroups read all of K: wait for the other's last dQ product, then the K and V buffers
     # take dK and dV on their way out (rows past sk are clipped): this warpgroup's key half of them,
@@ -740,11 +832,12 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
 
 
 @gluon.jit
-def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, q_ready,
-                   do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
+def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, handoff,
+                   q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
                    diag_offset, left, right, qk_scale, softcap, key0, offs_n, s_zero, dq_zero, drop, alibi,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr,
-                   HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                   HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                   DETERMINISTIC: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
     and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
     step i-1's dQ first (HAS_PREV); dQ goes to batch tb, rows from q0 (_bwd_sm90_load's). With
@@ -769,8 +862,8 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S^T = K Q^T
     if HAS_PREV:  # step i-1's dQ leaves while S^T runs
         dq = warpgroup_mma_wait(1, deps=(dq_tok, ))
-        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, q0 + lo + ((i - 1) % n_m) * BLOCK_M, hk * group + (i - 1) // n_m,
-                         half)
+        _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i - 1, tb, q0 + lo + ((i - 1) % n_m) * BLOCK_M,
+                         hk * group + (i - 1) // n_m, half, DETERMINISTIC)
     mbarrier.wait(do_ready.index(stage), phase)
     do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
     v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
@@ -821,7 +914,8 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
     if not DEFER_DQ:
         dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero), ))
-        _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, q0 + start_m, hk * group + i // n_m, half)
+        _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, q0 + start_m, hk * group + i // n_m, half,
+                         DETERMINISTIC)
     return dk, dv
 
 
@@ -943,28 +1037,39 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
 
 
 @gluon.jit
-def _bwd_sm90_dq_out(dq_desc, dq_bufs, dq, tb, row, h, half):
-    """A consumer's half of a Q block's dQ (its columns half * HALF_D onwards; over softmax_scale,
+def _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, row, h, half, DETERMINISTIC: gl.constexpr):
+    """A consumer's half of step i's dQ (its columns half * HALF_D onwards; over softmax_scale,
     and with dropout in backward_ds_unit's units) into the fp32 dQ buffer at (tb, row) by TMA
     reduce-add (rows past the tensor are clipped; in a packed batch the
     rows past the sequence's end, whose P is 0, add zeros to the next one's), through its shared
-    buffer once the previous reduction has read it."""
+    buffer once the previous reduction has read it. DETERMINISTIC: into its shared buffer once the
+    writer partition (_bwd_sm90_write_dq) has had the previous step's read, and handed to it
+    (handoff's barriers: dq_full, dq_empty), which adds it in its turn. (A writer for the
+    any-order additions too measured 2-5% slower at d=64 and at d=128 16k: NOTES.md.)"""
     HALF_D: gl.constexpr = dq.shape[1]
-    tma.store_wait(0)
-    dq_bufs.index(half).reshape(dq.shape).store(dq)
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, [tb, row, h, half * HALF_D], dq_bufs.index(half))
+    if DETERMINISTIC:
+        dq_full, dq_empty = handoff
+        mbarrier.wait(dq_empty.index(half), (i & 1) ^ 1)  # the first step passes at once
+        dq_bufs.index(half).reshape(dq.shape).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(half), count=1)
+    else:
+        tma.store_wait(0)
+        dq_bufs.index(half).reshape(dq.shape).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [tb, row, h, half * HALF_D], dq_bufs.index(half))
 
 
 @gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k", "threshold"])
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
-                     CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+                     CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, Turns, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, dk_scale, threshold,
                      dropout_scale, total_q, total_k, softcap, stride_slope_b, stride_slope_h,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     HAS_ALIBI: gl.constexpr, HEAD_CHUNK: gl.constexpr, HEAD_DIM: gl.constexpr):
+                     HAS_ALIBI: gl.constexpr, HEAD_CHUNK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask; or
     with HEAD_CHUNK > 1 (configs.hopper_backward_head_chunk) a 1D grid of the same programs in
     head_chunked_order, key block 0 of HEAD_CHUNK (batch, K/V head) rows first.
@@ -978,14 +1083,20 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     and softcap are softcap_scales'). dk_scale: dK's factor, softmax_scale times backward_ds_unit.
     HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. HEAD_DIM: the
     tensors' head dim; the boxes may be wider (configs.hopper_head_dim), their columns past it read
-    as zeros and clipped on the way out. Pointers and descriptors come before the scalars, as
-    ops._launch.launch passes them."""
+    as zeros and clipped on the way out. DETERMINISTIC (not with SPLIT_D): dQ's additions into a
+    Q block come in a fixed order, the one in which the programs reach it (_dq_order), counted in
+    Turns (int32, one per Q block of rows_pad and query head, zeroed) by a writer partition
+    (_bwd_sm90_write_dq) that the consumers hand their dQ tiles to; under a right bound the key
+    blocks are launched last first, so a program only waits for programs launched before it.
+    Pointers and descriptors come before the scalars, as ops._launch.launch passes them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
     BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
     n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
     pid, bhk = head_chunked_order(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK)
+    if DETERMINISTIC and HAS_RIGHT:  # the last key block adds first (_dq_order): launched first
+        pid = n_kb - 1 - pid
     start_n = pid * BLOCK_N
     # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):
     # reading them off the z and y axes measured 407 against 414 TFLOP/s at d=64 causal 16k
@@ -1025,6 +1136,8 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # DETERMINISTIC: dq_bufs[half]
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # to the writer and back
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)  # one arrival per consumer warpgroup
     mbarrier.init(ds_ready.index(0), count=2)
@@ -1033,25 +1146,57 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    if DETERMINISTIC:
+        for half in gl.static_range(2):
+            mbarrier.init(dq_full.index(half), count=1)
+            mbarrier.init(dq_empty.index(half), count=1)
 
-    # arguments spelled out per partition (see _fwd_kernel_sm90)
-    gl.warp_specialize([
-        (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 0, b, tb, q0, k0,
-                             hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
-                             softcap, dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
-                             stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
-                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM)),
-        (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                             ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, empty, ds_ready, done, 1, b, tb, q0, k0,
-                             hk, group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale,
-                             softcap, dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn,
-                             stride_dkh, stride_dvn, stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT,
-                             HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP, HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM)),
-        (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                          lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
-                          rows_pad, start_n, lo, n_m)),
-    ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
+    # arguments spelled out per partition (see _fwd_kernel_sm90), in full in both branches: Gluon
+    # turns the constexprs of a list built by + or if-else into plain values, which a partition's
+    # arguments cannot take. DETERMINISTIC adds the dQ writer, whose warp shares the loader's
+    # warpgroup of registers.
+    if DETERMINISTIC:
+        gl.warp_specialize([
+            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
+                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
+                                 ds_ready, done, 0, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
+                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
+                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
+                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
+                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
+                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
+                                 ds_ready, done, 1, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
+                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
+                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
+                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
+                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+            (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                              lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
+                              rows_pad, start_n, lo, n_m)),
+            (_bwd_sm90_write_dq, (dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads,
+                                  rows_pad, start_n, lo, n_m, sq, sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)),
+        ], [4, 1, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
+                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
+                                 ds_ready, done, 0, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
+                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
+                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
+                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
+                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
+                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
+                                 ds_ready, done, 1, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
+                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
+                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
+                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
+                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+            (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                              lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
+                              rows_pad, start_n, lo, n_m)),
+        ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -1088,11 +1233,13 @@ def backward_ds_unit(dropout_scale: float, has_dropout: bool, split_d: bool) -> 
 
 
 def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq,
-                 dropout=None, varlen=None, softcap=0.0, alibi_slopes=None):
+                 dropout=None, varlen=None, softcap=0.0, alibi_slopes=None, deterministic=False):
     """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
     accumulate_dq: dq (float32) gets dQ / softmax_scale added, by the kernel or (where its dS is
     scaled, backward_ds_unit) through a buffer of its own; dropout, varlen (a packed batch),
-    softcap and alibi_slopes as attention_backward's; delta (shaped like lse) gets delta when given.
+    softcap and alibi_slopes as attention_backward's; delta (shaped like lse) gets delta when given;
+    deterministic: dQ's additions in a fixed order (not with SPLIT_D), counted in a zeroed int32
+    per Q block and query head.
     cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
     h, d = q.shape[-2:]
     dp = configs.hopper_head_dim(d)  # the boxes' columns: those past d read as zeros and are clipped
@@ -1110,6 +1257,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            EVEN_D=d == configs.padded_headdim(d), WRITE_LSE2=True, IS_VARLEN=packed)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     split = configs.hopper_backward_split_d(dp)
+    assert not (deterministic and split), "SPLIT_D adds dQ in no fixed order"
     ds_unit = backward_ds_unit(dropout_scale, has_dropout, split)
     # the kernel adds dQ / (softmax_scale ds_unit): a buffer of its own where dq must get dQ / softmax_scale
     dq_acc = dq if accumulate_dq and ds_unit == 1 else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -1128,18 +1276,19 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     qk_scale, softcap2 = kernel_scale(softmax_scale, softcap)
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
+    turns = torch.zeros(b * h * rows_pad // cfg.block_m, dtype=torch.int32, device=q.device) if deterministic else None
     chunk = configs.hopper_backward_head_chunk(dp, sq, h // hk, right is not None, q.device)
     n_kb = cdiv(sk, cfg.block_n)
     launch(_bwd_kernel_sm90, (n_kb, hk, b) if chunk == 1 else (n_kb * hk * b, 1, 1),
            (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
-            box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes),
+            box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes, turns),
            (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale * ds_unit, threshold,
             dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
            NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(dp),
            SPLIT_D=split, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
            IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None,
-           HEAD_CHUNK=chunk, HEAD_DIM=d)
+           HEAD_CHUNK=chunk, HEAD_DIM=d, DETERMINISTIC=deterministic)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale * ds_unit, out=dq)
     elif dq_acc is not dq:

@@ -213,6 +213,21 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
     return hopper_backward_tiles(d, dropout, softcap)
 
 
+def hopper_backward_ordered(d: int, seqlen_k: int, right_bounded: bool) -> bool:
+    """Whether a deterministic backward takes the Hopper kernel (dQ's additions in their fixed
+    order, ops.backward._dq_order) over the Triton programs. Not at head dims computed at 256,
+    whose dQ (SPLIT_D) has no fixed order. Measured on the H100 (bf16, 16k tokens, backward
+    TFLOP/s, ordered Hopper / Triton programs in one run, 1k / 2k / 4k / 16k;
+    prefill_deterministic.json): d=128 346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 /
+    233, 337 / 306, 412 / 342, 484 / 394; d=64 causal 231 / 199, 309 / 263, 370 / 295, 441 / 348;
+    d=64 without a right bound at 4k / 16k 378 / 346, 430 / 367, but at 1k / 2k 284 / 311, 330 /
+    346 (prefill_deterministic_first.json): there all key blocks of a head start together and
+    each waits for the one before at every Q block, which programs of 8-16 steps do not absorb.
+    So below 4k keys d=64 keeps the Triton programs there."""
+    d = hopper_head_dim(d)
+    return not hopper_backward_split_d(d) and (right_bounded or d != 64 or seqlen_k >= 4096)
+
+
 def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) -> BlockConfig:
     """The Hopper backward's tiles at head dim d (computed at hopper_head_dim(d)): 128 keys per
     program at d <= 128; Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its
