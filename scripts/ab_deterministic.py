@@ -7,7 +7,8 @@ time: bf16, 16k tokens, heads x d = 2048 (bench prefill's shapes), d 64 / 128, c
 settings one after the other (harness.bench_ms). Prints TFLOP/s and det / any-order.
 reruns: deterministic=True ROUNDS times (default 150) on shapes where an ordering race would
 show (GQA 16/4 causal at 4 x 4k among them): how many dQ differ bitwise from the first call's.
-Used for the ordered Hopper backward tried in c0bb5c2 (NOTES.md, "Deterministic Hopper backward").
+Used for the ordered Hopper backward tried in c0bb5c2 (NOTES.md, "Deterministic Hopper backward") and
+for the one with a dQ writer warp (9c30b54, now what deterministic=True runs at d <= 128 on the H100).
 """
 
 import sys
