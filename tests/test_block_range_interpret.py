@@ -1,11 +1,12 @@
-"""Causal/window block skipping: block_range's three phases against a brute-force mask."""
+"""Causal/window block skipping: block_range's three phases against a brute-force mask; the
+deterministic Hopper backward's turns (dq_order, dq_turn) against block_range's visitors."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops._common import block_range
+from flashtile.ops._common import block_range, dq_order, dq_turn
 
 pytestmark = pytest.mark.interpret
 
@@ -49,3 +50,36 @@ def test_block_range_is_tight_and_safe(sq, sk, window, blocks):
             assert (lo <= start < hi) == bool(block.any()), (m, start, lo, full_lo, full_hi, hi)
             if full_lo <= start < full_hi:  # the unmasked phase: all of it visible, all in bounds
                 assert block.shape[1] == bn and bool(block.all()), (m, start)
+
+
+@triton.jit
+def _turns_kernel(Out, sq, sk, left, right, n_row_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key block n's turn at each Q block it visits, the Hopper backward's way: its rows from
+    block_range (keys over rows), its turns from dq_order / dq_turn."""
+    n = tl.program_id(0)
+    lo, _, _, hi = block_range(n * BLOCK_N, BLOCK_N, BLOCK_M, sq, sq - sk, right, left, HAS_RIGHT, HAS_LEFT)
+    a, c = dq_order(n, tl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
+    for start_m in range(lo, hi, BLOCK_M):
+        tl.store(Out + n * n_row_blocks + start_m // BLOCK_M, dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
+
+
+@pytest.mark.parametrize("sq,sk", [(700, 900), (900, 700), (1024, 1024), (100, 1000), (1000, 100), (1, 300)], ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 20), (300, 0), (64, -1), (-1, 64), (0, 0), (-1, -200)],
+                         ids=str)
+@pytest.mark.parametrize("blocks", [(64, 128), (128, 128), (16, 32)], ids=str)
+def test_dq_turns_count_the_visitors_in_launch_order(sq, sk, window, blocks):
+    """The deterministic Hopper backward's order of dQ's additions: at every Q block the key blocks
+    that visit it (block_range's rows) have the turns 0, 1, ... once each, so each one's wait ends
+    at the additions of exactly the ones before it; and those come first in launch order (the last
+    key block first under a right bound, where the kernel reverses its grid), so no program waits
+    for one launched after it."""
+    bm, bn = blocks
+    left, right = window
+    n_blocks, n_rows = triton.cdiv(sk, bn), triton.cdiv(sq, bm)
+    out = torch.full((n_blocks, n_rows), -1, dtype=torch.int32)
+    _turns_kernel[(n_blocks,)](out, sq, sk, max(left, 0), right if right >= 0 else 0, n_rows, BLOCK_M=bm,
+                               BLOCK_N=bn, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0)
+    for m in range(n_rows):
+        visitors = sorted((n for n in range(n_blocks) if out[n, m] >= 0), reverse=right >= 0)
+        assert [int(out[n, m]) for n in visitors] == list(range(len(visitors))), (m, out[:, m].tolist())

@@ -239,15 +239,15 @@ def test_deterministic_reaches_the_hopper_backward(monkeypatch, how, d):
     """flash_attn_func's deterministic (and torch's global switch) reach the Hopper backward's
     launch, whose dQ then adds in a fixed order; a deterministic call at a head dim the kernel
     computes at 256 (SPLIT_D, dQ in no fixed order) keeps the Triton programs. Run on the CPU with
-    the dispatch forced and the launch replaced by a recorder that raises with its last argument."""
+    the dispatch forced and the launch replaced by a recorder that raises with its deterministic."""
     import flashtile
     from flashtile.ops import backward
 
     class Launched(Exception):
         pass
 
-    def record(*args):
-        raise Launched(args[-1])
+    def record(*args, deterministic):
+        raise Launched(deterministic)
 
     monkeypatch.setattr(configs, "hopper_backward_config", lambda d, *a, **kw: configs.hopper_backward_tiles(d))
     monkeypatch.setattr(backward, "_launch_sm90", record)

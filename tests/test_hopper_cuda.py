@@ -161,7 +161,7 @@ def hopper_backward_launches(monkeypatch):
     launch = backward._launch_sm90
     monkeypatch.setattr(configs, "hopper_backward_config",
                         lambda d, *a, dropout=False, softcap=False, **kw: configs.hopper_backward_tiles(d, dropout, softcap))
-    monkeypatch.setattr(backward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(backward, "_launch_sm90", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     return calls
 
 
@@ -249,17 +249,18 @@ def test_backward_reruns(hopper_backward_launches, d):
         dq, dk, dv = _grads(q, k, v, dout, (None, 0))
         assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
         torch.testing.assert_close(dq, first[0], atol=2e-3, rtol=1e-2)
+    launches = len(hopper_backward_launches)
     ref = _grads(q, k, v, dout, (None, 0), deterministic=True)  # this kernel in its fixed order (d <= 128)
+    assert len(hopper_backward_launches) == launches + (d <= 128)
     for a, b in zip(first, ref):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture
 def deterministic_launches(hopper_backward_launches, monkeypatch):
-    """As hopper_backward_launches, every launch asked for dQ's additions in their fixed order
-    (deterministic, _launch_sm90's last argument)."""
+    """As hopper_backward_launches, every launch asked for dQ's additions in their fixed order."""
     launch = backward._launch_sm90
-    monkeypatch.setattr(backward, "_launch_sm90", lambda *a: launch(*a[:-1], True))
+    monkeypatch.setattr(backward, "_launch_sm90", lambda *a, **kw: launch(*a, **{**kw, "deterministic": True}))
     return hopper_backward_launches
 
 
@@ -271,10 +272,27 @@ ORDERS = {"full": dict(), "causal": dict(causal=True), "window": dict(window=(10
 @pytest.mark.parametrize("sq,sk", [(700, 900), (900, 700), (1024, 1024)], ids=["700x900", "900x700", "1024x1024"])
 @pytest.mark.parametrize("d", [64, 96, 128], ids=["d64", "d96", "d128"])
 def test_deterministic_backward(deterministic_launches, d, sq, sk, case):
-    """dQ's additions in the fixed order (_dq_order: each key block's turn at a Q block is inverted
-    from block_range's rows, so a wrong count would hang or drop an addition): 2x rule against the
-    float64 oracle, GQA, every side of the mask and sq != sk."""
+    """dQ's additions in the fixed order (dq_order; the turns themselves are checked against
+    block_range's visitors in test_block_range_interpret): 2x rule against the float64 oracle,
+    GQA, every side of the mask and sq != sk."""
     check_prefill(2, sq, sk, 4, 2, d, torch.bfloat16, "cuda", **case)
+    assert deterministic_launches
+
+
+@pytest.mark.parametrize("case", ["softcap", "alibi", "accumulate_dq", "seqused_k"])
+def test_deterministic_backward_with(deterministic_launches, case):
+    """The fixed order beside the kernel's other options: softcap and ALiBi (2x rule), dQ added into
+    the caller's float32 rows (accumulate_dq, as ring attention does), a packed batch with
+    seqused_k."""
+    if case == "accumulate_dq":
+        check_dq_accumulates(2, 700, 900, 8, 2, 128, torch.bfloat16, "cuda", causal=True)
+    elif case == "seqused_k":
+        check_varlen([300, 50, 700], [400, 51, 900], 4, 2, 128, torch.bfloat16, "cuda", causal=True,
+                     seqused=[350, 0, 899])
+    elif case == "softcap":
+        check_prefill(2, 700, 900, 4, 2, 128, torch.bfloat16, "cuda", causal=True, softcap=20.0)
+    else:
+        check_prefill(2, 700, 900, 4, 2, 128, torch.bfloat16, "cuda", causal=True, alibi=True)
     assert deterministic_launches
 
 
@@ -287,15 +305,17 @@ def test_deterministic_backward_varlen(deterministic_launches, case):
     assert deterministic_launches
 
 
-@pytest.mark.parametrize("d,causal,heads", [(128, True, (16, 4)), (128, False, (16, 4)), (64, True, (32, 32)),
-                                            (96, False, (16, 16))], ids=["d128-causal-gqa", "d128-gqa", "d64-causal",
-                                                                         "d96"])
-def test_deterministic_backward_reruns(hopper_backward_launches, d, causal, heads):
+RERUNS = {"d128-causal-gqa": (128, (None, 0), (16, 4), 4096), "d128-gqa": (128, (None, None), (16, 4), 4096),
+          "d64-causal": (64, (None, 0), (32, 32), 4096), "d96": (96, (None, None), (16, 16), 4096),
+          "d128-window-sq<sk": (128, (300, 64), (16, 4), 3000), "d64-left-sq>sk": (64, (500, None), (16, 16), 5000)}
+
+
+@pytest.mark.parametrize("d,window,heads,sq", RERUNS.values(), ids=RERUNS.keys())
+def test_deterministic_backward_reruns(hopper_backward_launches, d, window, heads, sq):
     """deterministic=True takes the Hopper backward at d <= 128: 30 reruns, dQ, dK, dV bitwise equal
-    (the any-order kernel's dQ differed between reruns of the first shape)."""
-    q, k, v = make_qkv(4, 4096, 4096, *heads, d, torch.bfloat16, "cuda")
+    (the any-order kernel's dQ differed between reruns of the first shape); 4096 keys, sq rows."""
+    q, k, v = make_qkv(4, sq, 4096, *heads, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
-    window = (None, 0 if causal else None)
     first = _grads(q, k, v, dout, window, deterministic=True)
     for _ in range(30):
         for name, a, b in zip(("dq", "dk", "dv"), _grads(q, k, v, dout, window, deterministic=True), first):

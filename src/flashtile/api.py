@@ -180,9 +180,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             dims 33-256 that are multiples of 8, from 128 query rows; softcap, ALiBi, dropout and
             packed batches too) adds dQ's key blocks up with TMA reductions, in an order that
             varies from run to run; every other call is reproducible either way. With True it
-            adds them in a fixed order at head dims up to 128 (a few percent to 17% slower than
-            the default, configs.hopper_backward_ordered); elsewhere dQ gets Triton programs of
-            its own (no atomics).
+            adds them in a fixed order at head dims up to 128 except d <= 64 without a right
+            bound below 4k keys (3-17% slower than the default; configs.hopper_backward_ordered);
+            elsewhere dQ gets Triton programs of its own (no atomics).
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
         learnable_sink: optional (nheads,) float32 / bfloat16 / float16, keyword (FlashAttention-4's
             name; gpt-oss's attention sinks): one logit t_h per query head that joins every row's

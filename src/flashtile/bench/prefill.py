@@ -3,7 +3,8 @@
 Shapes are the FA2/FA3 papers' (BENCHMARKS.md): bf16, batch x seqlen = 16384 tokens,
 nheads x headdim = 2048. Peers (`--peers`, default all): `flashtile` (flash-attn's default,
 deterministic=False), `flashtile-det` (deterministic=True: the bitwise reproducible backward,
-the Triton programs), `flashtile-triton` (flashtile with its Hopper kernels switched off for the whole
+on the H100 the Hopper one with dQ in a fixed order where configs.hopper_backward_ordered takes it,
+else the Triton programs), `flashtile-triton` (flashtile with its Hopper kernels switched off for the whole
 measurement, the Triton kernels only: the A/B baseline of the Hopper kernels), SDPA's
 FlashAttention-2 (`sdpa-flash`),
 cuDNN and memory-efficient backends, FlashAttention-4 (`fa4`, its default non-deterministic

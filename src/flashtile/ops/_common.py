@@ -100,6 +100,38 @@ def block_range(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, n_i
 
 
 @triton.jit
+def dq_order(n, n_blocks, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_RIGHT: tl.constexpr):
+    """(a, c): what dq_turn needs of key block n (of n_blocks of BLOCK_N keys), computed once.
+
+    The deterministic order of dQ's additions is the order in which the programs reach a Q block,
+    so that a program seldom waits. Under a right bound (causal) a program starts at the first rows
+    that see its keys, so the last key block that sees a Q block reaches it first: descending order,
+    and n's turn at the rows from start_m is last(start_m) - n, last = min(n_blocks - 1,
+    (start_m + BLOCK_M - 1 - (sq - sk) + right) // BLOCK_N). Without one every program starts at
+    its first rows together: ascending, n - first(start_m) with first = max(start_m - (sq - sk) -
+    left, 0) // BLOCK_N (0 without a left bound). These invert the rows the programs take from
+    block_range (keys over rows, ops.backward._bwd_kernel_sm90), so the key blocks counted are exactly those
+    whose programs visit the rows."""
+    if HAS_RIGHT:  # floor division is exact here: start_m + c >= 0 wherever key block n visits
+        return n_blocks - 1 - n, BLOCK_M - 1 - (sq - sk) + right - n * BLOCK_N
+    else:
+        return n, (sq - sk) + left
+
+
+@triton.jit
+def dq_turn(start_m, a, c, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Additions into the dQ rows from start_m that come before this program's (a, c: dq_order)."""
+    if HAS_RIGHT:
+        turn = tl.minimum(a, (start_m + c) // BLOCK_N)
+    elif HAS_LEFT:
+        turn = a - tl.maximum(start_m - c, 0) // BLOCK_N
+    else:
+        turn = a
+    return turn
+
+
+@triton.jit
 def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """(start_m, bh, b, h, hk) of a program of a (Q block, head, batch) grid: batch x heads may
     pass the 65535 programs a grid's y axis holds (batch and heads each stay within it, as in
@@ -130,7 +162,7 @@ def head_chunked_order(n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
     head after the other (the y axis holds 65535 programs, batch x heads may need more). Otherwise a 1D
     grid launched in chunks of HEAD_CHUNK heads: program 0 of each head of the chunk, then
     program 1 of each, and so on. Under a causal mask program 0 is the longest (callers order them
-    so), so a chunk runs its long programs first, where one head at a time would start the long
+    so; the deterministic Hopper backward reverses them afterwards, ops.backward.dq_order), so a chunk runs its long programs first, where one head at a time would start the long
     programs of the last heads last and leave SMs idle at the end; the chunk bounds how many heads'
     rows stream through L2 at once. (The index arithmetic costs registers: 126 -> 136 in the dQ
     program at d=64, which halved its occupancy at 8 warps; hence the plain 2D grid for 1.)

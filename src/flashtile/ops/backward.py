@@ -42,7 +42,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, cdiv, launch
 from flashtile.ops._common import (LOG2E, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
-                                   cap_derivative_sm90, capped_sm90, dot_precision, dropout_keep,
+                                   cap_derivative_sm90, capped_sm90, dot_precision, dq_order, dq_turn, dropout_keep,
                                    dropout_keep_bits_sm90, dropout_keep_sm90, dropout_seed, dropout_sign_sm90,
                                    dropout_words_sm90, head_chunked_order, head_dim_mask, in_window, kernel_scale,
                                    load_tile_pair, lse_row_base, relu_to_sm90, scores_log2, seq_bounds,
@@ -500,7 +500,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
             and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, q, k, varlen) \
             and (not deterministic or configs.hopper_backward_ordered(d, sk, right is not None)):
         _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
-                     dropout, varlen, softcap, alibi_slopes, deterministic)
+                     dropout, varlen, softcap, alibi_slopes, deterministic=deterministic)
         return dq, dk, dv
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
     delta = torch.empty_like(lse) if delta is None else delta
@@ -564,7 +564,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # and casts it at the end. 5 products per block pair instead of the Triton path's 7. The additions
 # come in whatever order the programs reach a Q block, unless deterministic=True: then each
 # (Q block, query head) has a counter that admits the key blocks one by one in a fixed order
-# (_dq_order), FlashAttention-3's scheme, and only the writer waits for it.
+# (dq_order), FlashAttention-3's scheme, and only the writer waits for it.
 #
 # Packed batches (IS_VARLEN, as the Triton programs): a program finds its sequence in cu_seqlens,
 # the copies address the packed tensors as one sequence of all the rows, and dK / dV leave through
@@ -583,38 +583,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """dst[box at coord] += src, by the copy engine (Gluon 3.6 has the op in its builder only)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _dq_order(n, n_blocks, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HAS_RIGHT: gl.constexpr):
-    """(a, c): what _dq_turn needs of key block n (of n_blocks of BLOCK_N keys), computed once.
-
-    The deterministic order of dQ's additions is the order in which the programs reach a Q block,
-    so that a program seldom waits. Under a right bound (causal) a program starts at the first rows
-    that see its keys, so the last key block that sees a Q block reaches it first: descending order,
-    and n's turn at the rows from start_m is last(start_m) - n, last = min(n_blocks - 1,
-    (start_m + BLOCK_M - 1 - (sq - sk) + right) // BLOCK_N). Without one every program starts at
-    its first rows together: ascending, n - first(start_m) with first = max(start_m - (sq - sk) -
-    left, 0) // BLOCK_N (0 without a left bound). These invert the rows the programs take from
-    block_range (keys over rows, _bwd_kernel_sm90), so the key blocks counted are exactly those
-    whose programs visit the rows."""
-    if HAS_RIGHT:  # floor division is exact here: start_m + c >= 0 wherever key block n visits
-        return n_blocks - 1 - n, BLOCK_M - 1 - (sq - sk) + right - n * BLOCK_N
-    else:
-        return n, (sq - sk) + left
-
-
-@gluon.jit
-def _dq_turn(start_m, a, c, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Additions into the dQ rows from start_m that come before this program's (a, c: _dq_order)."""
-    if HAS_RIGHT:
-        turn = gl.minimum(a, (start_m + c) // BLOCK_N)
-    elif HAS_LEFT:
-        turn = a - gl.maximum(start_m - c, 0) // BLOCK_N
-    else:
-        turn = a
-    return turn
 
 
 @gluon.jit
@@ -648,19 +616,19 @@ def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk
                        start_n, lo, n_m, sq, sk, left, right, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
                        HAS_RIGHT: gl.constexpr):
     """dQ writer partition (DETERMINISTIC, not with SPLIT_D): step by step (the consumers' order) it
-    waits for the step's Q block to have had every earlier addition (_dq_turn, on its counter in
+    waits for the step's Q block to have had every earlier addition (dq_turn, on its counter in
     Turns: one per Q block of rows_pad and query head, b the sequence or batch), then for both
     consumers' halves of the dQ tile, reduces them into the fp32 dQ at (tb, q0 + rows) by TMA (as
     _bwd_sm90_dq_out's), hands the buffers back once read and counts its addition once complete."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[1]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
-    a, c = _dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
+    a, c = dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
     m_blocks = rows_pad // BLOCK_M
     for i in range(group * n_m):
         h = hk * group + i // n_m
         start_m = lo + (i % n_m) * BLOCK_M
         counter = Turns + (b * nheads + h).to(gl.int64) * m_blocks + start_m // BLOCK_M
-        _dq_wait_turn(counter, _dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
+        _dq_wait_turn(counter, dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
         for half in gl.static_range(2):
             mbarrier.wait(dq_full.index(half), i & 1)
             _tma_reduce_add(dq_desc, [tb, q0 + start_m, h, half * HALF_D], dq_bufs.index(half))
@@ -1070,7 +1038,8 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                      HAS_ALIBI: gl.constexpr, HEAD_CHUNK: gl.constexpr, HEAD_DIM: gl.constexpr,
                      DETERMINISTIC: gl.constexpr):
-    """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask; or
+    """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask (with
+    DETERMINISTIC under a right bound, the last key block first: see below); or
     with HEAD_CHUNK > 1 (configs.hopper_backward_head_chunk) a 1D grid of the same programs in
     head_chunked_order, key block 0 of HEAD_CHUNK (batch, K/V head) rows first.
     A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
@@ -1084,10 +1053,12 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. HEAD_DIM: the
     tensors' head dim; the boxes may be wider (configs.hopper_head_dim), their columns past it read
     as zeros and clipped on the way out. DETERMINISTIC (not with SPLIT_D): dQ's additions into a
-    Q block come in a fixed order, the one in which the programs reach it (_dq_order), counted in
+    Q block come in a fixed order, the one in which the programs reach it (dq_order), counted in
     Turns (int32, one per Q block of rows_pad and query head, zeroed) by a writer partition
     (_bwd_sm90_write_dq) that the consumers hand their dQ tiles to; under a right bound the key
-    blocks are launched last first, so a program only waits for programs launched before it.
+    blocks are launched last first, so a program only waits for programs launched before it (this
+    relies on the GPU starting programs in launch order, as FlashAttention-3's deterministic
+    backward does; a program waiting on one not yet started would wait forever).
     Pointers and descriptors come before the scalars, as ops._launch.launch passes them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
@@ -1095,7 +1066,8 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
     n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
     pid, bhk = head_chunked_order(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK)
-    if DETERMINISTIC and HAS_RIGHT:  # the last key block adds first (_dq_order): launched first
+    gl.static_assert(not (DETERMINISTIC and SPLIT_D), "SPLIT_D's dQ has no writer partition")
+    if DETERMINISTIC and HAS_RIGHT:  # the last key block adds first (dq_order): launched first
         pid = n_kb - 1 - pid
     start_n = pid * BLOCK_N
     # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):

@@ -282,7 +282,9 @@ def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, 
     434 -> 467 / 458, 8k 484 / 484 -> 499 / 505, 1k and 16k level (281 / 282 -> 282 / 283, 537 /
     536 -> 539 / 534), 4k with dropout 0.1 403 / 401 -> 422 / 421; d=64 causal (4k, 16k) and
     d=128 non-causal (8k) level. So d=128 with a right bound only: elsewhere the chunk's index
-    arithmetic would add spills for nothing (tests/test_codegen.py)."""
+    arithmetic would add spills for nothing (tests/test_codegen.py). With deterministic=True under a
+    right bound the kernel reverses the key blocks (the last first, ops.backward.dq_order), chunks
+    or not."""
     if device.type != "cuda" or d != 128 or not causal:
         return 1
     return l2_head_chunk(seqlen_q * group * d * (2 + 2 + 4), device)
