@@ -174,7 +174,8 @@ def test_prefill_summary_and_plot_with_fa4_and_triton_rows(tmp_path):
     and a peer without a row at some shape leaves "-" instead of dropping flashtile's row."""
     tf = {  # (d, causal) -> impl -> (fwd, bwd) TFLOP/s at seqlen 4096
         (128, False): {"flashtile": (500.0, 300.0), "flashtile-triton": (450.0, 300.0), "sdpa-flash": (350.0, 250.0),
-                       "cudnn": (480.0, 400.0), "fa4": (560.0, 380.0), "fa4-det": (555.0, 290.0)},
+                       "cudnn": (480.0, 400.0), "fa4": (560.0, 380.0), "fa4-det": (555.0, 290.0),
+                       "flashtile-det": (500.0, 270.0)},  # deterministic=True ran at this shape only
         (128, True): {"flashtile": (420.0, 240.0), "flashtile-triton": (350.0, 240.0), "sdpa-flash": (300.0, 200.0),
                       "fa4": (400.0, 250.0), "fa4-det": (398.0, 220.0)},  # cuDNN failed here
     }
@@ -187,17 +188,19 @@ def test_prefill_summary_and_plot_with_fa4_and_triton_rows(tmp_path):
     table = prefill_report.summary(path)
     head, rule, non_causal, causal = table.splitlines()[:4]
     cols = [c.strip() for c in head.strip("|").split("|")]
-    assert cols[3] == "fwd flashtile / FA2 / cuDNN / FA4 / FA4-det / Triton (TFLOP/s)"
-    assert rule.count("---") == len(cols) == 18
+    assert cols[3] == "fwd flashtile / FA2 / cuDNN / FA4 / FA4-det / flashtile-det / Triton (TFLOP/s)"
+    assert rule.count("---") == len(cols) == 20
     cells = dict(zip(cols, (c.strip() for c in non_causal.strip("|").split("|"))))
-    assert cells[cols[3]] == "500 / 350 / 480 / 560 / 555 / 450"
+    assert cells[cols[3]] == "500 / 350 / 480 / 560 / 555 / 500 / 450"
+    assert cells["bwd vs flashtile-det"] == f"{300 / 270:.2f}x"
     assert cells["fwd vs FA4"] == f"{500 / 560:.2f}x" and cells["fwd vs Triton"] == f"{500 / 450:.2f}x"
     assert cells["fwd vs best of cuDNN, FA4"] == f"{500 / 560:.2f}x (FA4)" == "0.89x (FA4)"
     assert cells["bwd vs best of cuDNN, FA4"] == f"{300 / 400:.2f}x (cuDNN)" == "0.75x (cuDNN)"
     assert cells["bwd vs FA4-det"] == f"{300 / 290:.2f}x"
     cells = dict(zip(cols, (c.strip() for c in causal.strip("|").split("|"))))
     assert cells["fwd vs cuDNN"] == "-" and cells["fwd vs best of cuDNN, FA4"] == f"{420 / 400:.2f}x (FA4)"
-    assert cells["bwd flashtile / FA2 / cuDNN / FA4 / FA4-det / Triton"] == "240 / 200 / - / 250 / 220 / 240"
+    bwd = cells["bwd flashtile / FA2 / cuDNN / FA4 / FA4-det / flashtile-det / Triton"]
+    assert bwd == "240 / 200 / - / 250 / 220 / - / 240"
     assert prefill_report.best_peer({("cudnn", 64, False, 1): {"fwd_tflops": 1.0}}, (64, False, 2), "fwd") is None
 
     names = [os.path.basename(p) for p in prefill_report.plot(path, str(tmp_path))]

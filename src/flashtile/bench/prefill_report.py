@@ -98,7 +98,8 @@ def plot(json_path: str, out_dir: str) -> list[str]:
 
 
 SUMMARY_PEERS = {"sdpa-flash": "FA2", "cudnn": "cuDNN", "fa4": "FA4", "fa4-det": "FA4-det",
-                 "flashtile-triton": "Triton"}  # summary's columns, in this order, when the file has rows
+                 "flashtile-det": "flashtile-det", "flashtile-triton": "Triton"}  # summary's columns, in this
+# order, when the file has rows
 BEST_OF = ("cudnn", "fa4")  # "vs best of cuDNN, FA4": FA4 in its default (non-deterministic) mode
 
 
@@ -110,7 +111,8 @@ def best_peer(idx: dict, key: tuple, direction: str):
 
 def summary(json_path: str) -> str:
     """Markdown table from prefill.json: flashtile's TFLOP/s beside the peers' (SDPA-flash as FA2,
-    cuDNN, FA4, FA4-det, the Triton-only flashtile: those the file has rows of), flashtile / peer for
+    cuDNN, FA4, FA4-det, flashtile with deterministic=True, the Triton-only flashtile: those the file
+    has rows of), flashtile / peer for
     each, and, when FA4 ran, flashtile / the faster of cuDNN and FA4 at that shape ("-": no row)."""
     with open(json_path) as f:
         data = json.load(f)
