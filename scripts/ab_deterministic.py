@@ -1,10 +1,12 @@
 """The backward with deterministic=True against deterministic=False, and reruns of the first.
 
-    PYTHONPATH=src python scripts/ab_deterministic.py [time|reruns] [ROUNDS]
+    PYTHONPATH=src python scripts/ab_deterministic.py [time|reruns] [ROUNDS] [SEQLENS] [--all-ordered]
 
 time: bf16, 16k tokens, heads x d = 2048 (bench prefill's shapes), d 64 / 128, causal and not,
 1k-16k; ops.backward.attention_backward alone (forward done once), each round timing both
-settings one after the other (harness.bench_ms). Prints TFLOP/s and det / any-order.
+settings one after the other (harness.bench_ms). Prints TFLOP/s and det / any-order. SEQLENS: a
+comma list (default 1024-16384). --all-ordered: deterministic=True takes the ordered Hopper kernel
+wherever it can (configs.hopper_backward_ordered's length cut at d=64 off).
 reruns: deterministic=True ROUNDS times (default 150) on shapes where an ordering race would
 show (GQA 16/4 causal at 4 x 4k among them): how many dQ differ bitwise from the first call's.
 Used for the ordered Hopper backward tried in c0bb5c2 (NOTES.md, "Deterministic Hopper backward") and
@@ -16,6 +18,7 @@ import sys
 import torch
 
 from flashtile.bench import harness
+from flashtile.ops import configs
 from flashtile.ops.backward import attention_backward
 from flashtile.ops.forward import attention_forward
 
@@ -24,10 +27,10 @@ def qkv(b, s, h, hk, d):
     return [torch.randn(b, s, h if i == 0 else hk, d, device="cuda", dtype=torch.bfloat16) for i in range(3)]
 
 
-def timing(rounds: int) -> None:
+def timing(rounds: int, seqlens=(1024, 2048, 4096, 8192, 16384)) -> None:
     for d in (128, 64):
         for causal in (False, True):
-            for seqlen in (1024, 2048, 4096, 8192, 16384):
+            for seqlen in seqlens:
                 b, h = 16384 // seqlen, 2048 // d
                 q, k, v = qkv(b, seqlen, h, h, d)
                 dout, window = torch.randn_like(q), (None, 0 if causal else None)
@@ -56,6 +59,12 @@ def reruns(rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1] if len(sys.argv) > 1 else "time"
-    count = int(sys.argv[2]) if len(sys.argv) > 2 else (2 if mode == "time" else 150)
-    {"time": timing, "reruns": reruns}[mode](count)
+    args = [a for a in sys.argv[1:] if a != "--all-ordered"]
+    if "--all-ordered" in sys.argv:
+        configs.hopper_backward_ordered = lambda d, seqlen_k, right_bounded: d <= 128
+    mode = args[0] if args else "time"
+    count = int(args[1]) if len(args) > 1 else (2 if mode == "time" else 150)
+    if mode == "time" and len(args) > 2:
+        timing(count, tuple(int(s) for s in args[2].split(",")))
+    else:
+        {"time": timing, "reruns": reruns}[mode](count)

@@ -99,11 +99,13 @@ def test_hopper_backward_compiles_for_sm90(d, causal):
 def test_hopper_backward_compiles_deterministic(d, causal):
     """deterministic: the dQ writer partition has its acquire poll of the turn, its full bulk wait
     (cp.async.bulk.wait_group 0, not .read) and its release count, once each; the consumers keep
-    the 240 registers, asynchronous wgmmas and the spill bounds of the any-order kernel, and the
-    handoff's barriers fit the shared memory."""
+    the 240 registers and asynchronous wgmmas, and the handoff's barriers fit the shared memory.
+    Compiled in the chunked launch order it takes (configs.hopper_backward_head_chunk's ordered),
+    whose index arithmetic spills at d=128 40 bytes non-causal (8 one row at a time), 20 causal;
+    d=64 144 / 184 (the any-order kernel's 136 / 148)."""
     report = memory_ops("backward-sm90", d, "--deterministic", *(["--causal"] if causal else []))
     assert report["ordered"] == [1, 1, 1], report
-    assert report["spill_bytes"] <= {64: 208, 128: 32}[d], report
+    assert report["spill_bytes"] <= {64: 208, 128: 40}[d], report
     assert not report["wgmma_serialised"], report
     assert {24, 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report

@@ -1249,7 +1249,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
     turns = torch.zeros(b * h * rows_pad // cfg.block_m, dtype=torch.int32, device=q.device) if deterministic else None
-    chunk = configs.hopper_backward_head_chunk(dp, sq, h // hk, right is not None, q.device)
+    chunk = configs.hopper_backward_head_chunk(dp, sq, h // hk, right is not None, q.device, deterministic)
     n_kb = cdiv(sk, cfg.block_n)
     launch(_bwd_kernel_sm90, (n_kb, hk, b) if chunk == 1 else (n_kb * hk * b, 1, 1),
            (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),

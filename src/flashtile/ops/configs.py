@@ -221,13 +221,15 @@ def hopper_backward_ordered(d: int, seqlen_k: int, right_bounded: bool) -> bool:
     prefill_deterministic.json): d=128 346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 /
     233, 337 / 306, 412 / 342, 484 / 394; d=64 causal 231 / 199, 309 / 263, 370 / 295, 441 / 348;
     d=64 without a right bound at 4k / 16k 378 / 346, 430 / 367, but at 1k / 2k 284 / 311, 330 /
-    346 (prefill_deterministic_first.json): there all key blocks of a head start together and
-    each waits for the one before at every Q block, which programs of 8-16 steps do not absorb.
-    So below 4k keys d=64 keeps the Triton programs there. At the head dims computed at 64 or 128
+    346 (prefill_deterministic_first.json): there all key blocks of a head started together and
+    each waited for the one before at every Q block. Launched in chunks of rows
+    (hopper_backward_head_chunk's ordered) the ordered kernel measured 305 / 380 there against
+    the Triton programs' 303 / 334 (ab_det_chunk.txt, two calls), so below 2k keys d=64 keeps the
+    Triton programs (level at 1k). At the head dims computed at 64 or 128
     (prefill_deterministic_padded_dims.json): d=96 1.15-1.30x the Triton programs at 1k / 4k,
     causal or not; d=48 1.04x at 4k, 1.38-1.45x causal."""
     d = hopper_head_dim(d)
-    return not hopper_backward_split_d(d) and (right_bounded or d != 64 or seqlen_k >= 4096)
+    return not hopper_backward_split_d(d) and (right_bounded or d != 64 or seqlen_k >= 2048)
 
 
 def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) -> BlockConfig:
@@ -271,7 +273,8 @@ def hopper_backward_defer_dq(d: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, device: torch.device) -> int:
+def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, device: torch.device,
+                               ordered: bool = False) -> int:
     """(batch, K/V head) rows whose programs the Hopper backward interleaves in launch order
     (ops._common.head_chunked_order): key block 0 of each row of a chunk first, then key block 1,
     and so on. With one row at a time (1), the grid's order, the longest programs of a causal mask
@@ -283,11 +286,19 @@ def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, 
     backward TFLOP/s one row at a time -> chunks): d=128 causal 2k 376 / 379 -> 390 / 388, 4k 447 /
     434 -> 467 / 458, 8k 484 / 484 -> 499 / 505, 1k and 16k level (281 / 282 -> 282 / 283, 537 /
     536 -> 539 / 534), 4k with dropout 0.1 403 / 401 -> 422 / 421; d=64 causal (4k, 16k) and
-    d=128 non-causal (8k) level. So d=128 with a right bound only: elsewhere the chunk's index
-    arithmetic would add spills for nothing (tests/test_codegen.py). With deterministic=True under a
-    right bound the kernel reverses the key blocks (the last first, ops.backward.dq_order), chunks
-    or not."""
-    if device.type != "cuda" or d != 128 or not causal:
+    d=128 non-causal (8k) level. So d=128 with a right bound: elsewhere the chunk's index
+    arithmetic would add spills for nothing (tests/test_codegen.py).
+    ordered (deterministic=True, dQ's additions in dq_order): chunks at every head dim and mask.
+    Without a right bound key block n adds into a Q block after key block n - 1, so one row at a
+    time launched them side by side and each waited for the one before at every Q block; in chunks
+    key block n starts a chunk's worth of programs after key block n - 1 (ab_det_chunk.txt,
+    deterministic backward TFLOP/s one row at a time -> chunks, non-causal: d=128 2k / 4k 411 ->
+    420, 456 -> 486, 1k level (345 / 337); d=64 1k / 2k / 4k 288 -> 305, 330 -> 380, 372 -> 416;
+    at 8k / 16k then 0.98 / 1.00x the any-order kernel at d=128 and 0.95 / 0.97x at d=64, where
+    one row at a time had 0.95x / 0.91x at 16k). Under a right bound the kernel reverses the key
+    blocks (the last first, ops._common.dq_order), chunks or not: d=64 causal took the chunks
+    level (229-234, 313-315, 373-374 TFLOP/s at 1k / 2k / 4k)."""
+    if device.type != "cuda" or not (ordered or (d == 128 and causal)):
         return 1
     return l2_head_chunk(seqlen_q * group * d * (2 + 2 + 4), device)
 
