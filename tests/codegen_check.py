@@ -163,12 +163,12 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes), its programs in
     chunks of head_chunk (batch, K/V head) rows; by default as configs.hopper_backward_head_chunk
-    chooses for 8k tokens (4 at d=128 with a causal mask and with deterministic, else 1: the plain 3D
-    grid). d: the tensors' head dim, computed at configs.hopper_head_dim(d). deterministic: dQ's
+    chooses for 8k tokens (4 at d=128 with a causal mask and with deterministic without one, else 1:
+    the plain 3D grid). d: the tensors' head dim, computed at configs.hopper_head_dim(d). deterministic: dQ's
     additions in a fixed order (the dQ writer partition)."""
     d, head_dim = configs.hopper_head_dim(d), d
     if head_chunk is None:
-        head_chunk = 4 if (causal and d == 128) or deterministic else 1
+        head_chunk = 4 if (causal and d == 128) or (deterministic and not causal) else 1
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_backward_tiles(d, dropout, softcap)

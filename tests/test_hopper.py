@@ -189,8 +189,8 @@ def test_backward_head_chunks_fit_the_l2(monkeypatch):
     """The Hopper backward's launch order (configs.hopper_backward_head_chunk): at d=128 with a right
     bound on the keys, as many (batch, K/V head) rows per chunk, a power of two, as have their Q,
     dO and fp32 dQ (8 bytes a row and column) in the L2 together, at most 64; one row at a time
-    (the plain grid) elsewhere, but for the ordered (deterministic) kernel, which takes the chunks at
-    every head dim and mask."""
+    (the plain grid) elsewhere, but for the ordered (deterministic) kernel, which takes the chunks
+    without a right bound at every head dim too."""
     monkeypatch.setattr(configs, "l2_bytes", lambda device: 50 * 2**20)
     chunk = configs.hopper_backward_head_chunk.__wrapped__  # past its cache, which may hold the real L2's answers
     seqlens = (128, 1024, 2048, 4096, 8192, 16384, 65536)
@@ -199,7 +199,7 @@ def test_backward_head_chunks_fit_the_l2(monkeypatch):
     assert chunk(128, 10**7, 1, True, CUDA) == 1
     assert chunk(128, 4096, 1, False, CUDA) == chunk(64, 4096, 1, True, CUDA) == chunk(256, 4096, 1, True, CUDA) == 1
     assert chunk(128, 4096, 1, True, torch.device("cpu")) == 1
-    assert [chunk(d, 4096, 1, c, CUDA, True) for d in (64, 128) for c in (False, True)] == [16, 16, 8, 8]
+    assert [chunk(d, 4096, 1, c, CUDA, True) for d in (64, 128) for c in (False, True)] == [16, 1, 8, 8]
     assert chunk(128, 4096, 1, False, torch.device("cpu"), True) == 1
 
 

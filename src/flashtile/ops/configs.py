@@ -218,7 +218,7 @@ def hopper_backward_ordered(d: int, seqlen_k: int, right_bounded: bool) -> bool:
     order, ops.backward._dq_order) over the Triton programs. Not at head dims computed at 256,
     whose dQ (SPLIT_D) has no fixed order. Measured on the H100 (bf16, 16k tokens, backward
     TFLOP/s, ordered Hopper / Triton programs in one run, 1k / 2k / 4k / 16k;
-    prefill_deterministic.json): d=128 346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 /
+    prefill_deterministic_ac2ed17.json, before the chunks of hopper_backward_head_chunk): d=128 346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 /
     233, 337 / 306, 412 / 342, 484 / 394; d=64 causal 231 / 199, 309 / 263, 370 / 295, 441 / 348;
     d=64 without a right bound at 4k / 16k 378 / 346, 430 / 367, but at 1k / 2k 284 / 311, 330 /
     346 (prefill_deterministic_first.json): there all key blocks of a head started together and
@@ -288,17 +288,20 @@ def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, 
     536 -> 539 / 534), 4k with dropout 0.1 403 / 401 -> 422 / 421; d=64 causal (4k, 16k) and
     d=128 non-causal (8k) level. So d=128 with a right bound: elsewhere the chunk's index
     arithmetic would add spills for nothing (tests/test_codegen.py).
-    ordered (deterministic=True, dQ's additions in dq_order): chunks at every head dim and mask.
+    ordered (deterministic=True, dQ's additions in dq_order): chunks without a right bound too.
     Without a right bound key block n adds into a Q block after key block n - 1, so one row at a
     time launched them side by side and each waited for the one before at every Q block; in chunks
     key block n starts a chunk's worth of programs after key block n - 1 (ab_det_chunk.txt,
     deterministic backward TFLOP/s one row at a time -> chunks, non-causal: d=128 2k / 4k 411 ->
     420, 456 -> 486, 1k level (345 / 337); d=64 1k / 2k / 4k 288 -> 305, 330 -> 380, 372 -> 416;
     at 8k / 16k then 0.98 / 1.00x the any-order kernel at d=128 and 0.95 / 0.97x at d=64, where
-    one row at a time had 0.95x / 0.91x at 16k). Under a right bound the kernel reverses the key
-    blocks (the last first, ops._common.dq_order), chunks or not: d=64 causal took the chunks
-    level (229-234, 313-315, 373-374 TFLOP/s at 1k / 2k / 4k)."""
-    if device.type != "cuda" or not (ordered or (d == 128 and causal)):
+    one row at a time had 0.95x / 0.91x at 16k in the last session's run; the chunks' index
+    arithmetic spills 40 bytes at d=128 where 8 were). Under a right bound the kernel reverses the
+    key blocks (the last first, ops._common.dq_order), and key block n + 1, started beside key block n, reaches
+    a Q block a step or two before it: there the ordered kernel keeps the any-order rule (d=64 causal in chunks measured
+    level at 1k / 2k and 354 / 356 -> 382 / 359 at 4k, 426 / 438 -> 447 / 449 at 16k one row at a
+    time, ab_det_chunk_causal64.txt)."""
+    if device.type != "cuda" or not ((ordered and not causal) or (d == 128 and causal)):
         return 1
     return l2_head_chunk(seqlen_q * group * d * (2 + 2 + 4), device)
 
