@@ -1,12 +1,13 @@
 """The backward with deterministic=True against deterministic=False, and reruns of the first.
 
-    PYTHONPATH=src python scripts/ab_deterministic.py [time|reruns] [ROUNDS] [SEQLENS] [--all-ordered]
+    PYTHONPATH=src python scripts/ab_deterministic.py [time|reruns] [ROUNDS] [SEQLENS] [--all-ordered] [--chunk=N]
 
 time: bf16, 16k tokens, heads x d = 2048 (bench prefill's shapes), d 64 / 128, causal and not,
 1k-16k; ops.backward.attention_backward alone (forward done once), each round timing both
 settings one after the other (harness.bench_ms). Prints TFLOP/s and det / any-order. SEQLENS: a
 comma list (default 1024-16384). --all-ordered: deterministic=True takes the ordered Hopper kernel
-wherever it can (configs.hopper_backward_ordered's length cut at d=64 off).
+wherever it can (configs.hopper_backward_ordered's length cut at d=64 off). --chunk=N: the ordered
+kernel's rows without a right bound in chunks of N (configs.hopper_backward_head_chunk's L2 fit off).
 reruns: deterministic=True ROUNDS times (default 150) on shapes where an ordering race would
 show (GQA 16/4 causal at 4 x 4k among them): how many dQ differ bitwise from the first call's.
 Used for the ordered Hopper backward tried in c0bb5c2 (NOTES.md, "Deterministic Hopper backward") and
@@ -59,9 +60,14 @@ def reruns(rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--all-ordered"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if "--all-ordered" in sys.argv:
         configs.hopper_backward_ordered = lambda d, seqlen_k, right_bounded: d <= 128
+    forced = [int(a.split("=")[1]) for a in sys.argv if a.startswith("--chunk=")]
+    if forced:
+        chunk = configs.hopper_backward_head_chunk
+        configs.hopper_backward_head_chunk = lambda d, sq, group, causal, device, ordered=False: (
+            forced[0] if ordered and not causal else chunk(d, sq, group, causal, device, ordered))
     mode = args[0] if args else "time"
     count = int(args[1]) if len(args) > 1 else (2 if mode == "time" else 150)
     if mode == "time" and len(args) > 2:
