@@ -1,12 +1,13 @@
 """Causal/window block skipping: block_range's three phases against a brute-force mask; the
-deterministic Hopper backward's turns (dq_order, dq_turn) against block_range's visitors."""
+deterministic Hopper backward's turns (dq_order, dq_turn) against block_range's visitors, and its
+launch order (key_block_program) against the turns."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops._common import block_range, dq_order, dq_turn
+from flashtile.ops._common import block_range, dq_order, dq_turn, key_block_program
 
 pytestmark = pytest.mark.interpret
 
@@ -83,3 +84,35 @@ def test_dq_turns_count_the_visitors_in_launch_order(sq, sk, window, blocks):
     for m in range(n_rows):
         visitors = sorted((n for n in range(n_blocks) if out[n, m] >= 0), reverse=right >= 0)
         assert [int(out[n, m]) for n in visitors] == list(range(len(visitors))), (m, out[:, m].tolist())
+
+
+@triton.jit
+def _programs_kernel(Out, n_kb, n_rows, HEAD_CHUNK: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(key block, row) of each program, at its launch index (x fastest, then y, then z)."""
+    kb, row = key_block_program(n_kb, n_rows, HEAD_CHUNK, LAST_FIRST)
+    lin = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(Out + lin * 2, kb)
+    tl.store(Out + lin * 2 + 1, row)
+
+
+@pytest.mark.parametrize("n_kb", [1, 5, 8])
+@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (7, 2), (13, 1)], ids=str)  # (K/V heads, batch)
+@pytest.mark.parametrize("chunk", [1, 2, 4, 64])
+@pytest.mark.parametrize("last_first", [False, True], ids=["ascending", "last-first"])
+def test_backward_launch_order_follows_the_turns(n_kb, rows, chunk, last_first):
+    """The Hopper backward's grid as ops.backward._launch_sm90 launches it ((key blocks, K/V heads,
+    batch) with one row at a time, a 1D grid in chunks of rows otherwise): every (key block, row)
+    once, and in each row the key blocks in the order of their turns at a Q block (ascending,
+    the last first under a right bound: test_dq_turns_count_the_visitors_in_launch_order), so the
+    deterministic kernel's programs only wait for programs launched before them."""
+    hk, batch = rows
+    n_rows = hk * batch
+    grid = (n_kb, hk, batch) if chunk == 1 else (n_kb * n_rows, 1, 1)
+    out = torch.full((n_kb * n_rows, 2), -1, dtype=torch.int32)
+    _programs_kernel[grid](out, n_kb, n_rows, HEAD_CHUNK=chunk, LAST_FIRST=last_first)
+    at = {tuple(p): lin for lin, p in enumerate(out.tolist())}
+    assert sorted(at) == [(kb, r) for kb in range(n_kb) for r in range(n_rows)]
+    for r in range(n_rows):
+        turns = sorted(range(n_kb), reverse=last_first)
+        launched = [at[kb, r] for kb in turns]
+        assert launched == sorted(launched), (r, launched)

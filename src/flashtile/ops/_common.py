@@ -132,6 +132,19 @@ def dq_turn(start_m, a, c, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RI
 
 
 @triton.jit
+def key_block_program(n_kb, n_rows, HEAD_CHUNK: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(key block, row) of this program of the Hopper backward's grid of n_kb key blocks x n_rows
+    (batch, K/V head) rows, in head_chunked_order; LAST_FIRST (the deterministic backward under a
+    right bound) reverses each row's key blocks, so that in every row the key block whose addition
+    into a Q block comes first in dq_order is launched first, the next one after it, and so on: a
+    program only waits for programs launched before it (tests/test_block_range_interpret.py)."""
+    pid, row = head_chunked_order(n_kb, n_rows, HEAD_CHUNK)
+    if LAST_FIRST:
+        pid = n_kb - 1 - pid
+    return pid, row
+
+
+@triton.jit
 def q_block_program(nheads, group, BLOCK_M: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """(start_m, bh, b, h, hk) of a program of a (Q block, head, batch) grid: batch x heads may
     pass the 65535 programs a grid's y axis holds (batch and heads each stay within it, as in

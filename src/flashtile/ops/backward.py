@@ -45,8 +45,8 @@ from flashtile.ops._common import (LOG2E, alibi_fits_sm90, alibi_sm90, alibi_str
                                    cap_derivative_sm90, capped_sm90, dot_precision, dq_order, dq_turn, dropout_keep,
                                    dropout_keep_bits_sm90, dropout_keep_sm90, dropout_seed, dropout_sign_sm90,
                                    dropout_words_sm90, head_chunked_order, head_dim_mask, in_window, kernel_scale,
-                                   load_tile_pair, lse_row_base, relu_to_sm90, scores_log2, seq_bounds,
-                                   softcap_scales, visible)
+                                   key_block_program, load_tile_pair, lse_row_base, relu_to_sm90, scores_log2,
+                                   seq_bounds, softcap_scales, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
@@ -1065,10 +1065,9 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
     BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
     n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
-    pid, bhk = head_chunked_order(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK)
     gl.static_assert(not (DETERMINISTIC and SPLIT_D), "SPLIT_D's dQ has no writer partition")
-    if DETERMINISTIC and HAS_RIGHT:  # the last key block adds first (dq_order): launched first
-        pid = n_kb - 1 - pid
+    # with DETERMINISTIC under a right bound the last key block adds first (dq_order): launched first
+    pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK, DETERMINISTIC and HAS_RIGHT)
     start_n = pid * BLOCK_N
     # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):
     # reading them off the z and y axes measured 407 against 414 TFLOP/s at d=64 causal 16k
