@@ -87,32 +87,45 @@ def test_dq_turns_count_the_visitors_in_launch_order(sq, sk, window, blocks):
 
 
 @triton.jit
-def _programs_kernel(Out, n_kb, n_rows, HEAD_CHUNK: tl.constexpr, LAST_FIRST: tl.constexpr):
-    """(key block, row) of each program, at its launch index (x fastest, then y, then z)."""
-    kb, row = key_block_program(n_kb, n_rows, HEAD_CHUNK, LAST_FIRST)
+def _launch_turns_kernel(Turns, Launched, sq, sk, left, right, n_row_blocks, n_rows, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, HEAD_CHUNK: tl.constexpr, HAS_LEFT: tl.constexpr,
+                         HAS_RIGHT: tl.constexpr):
+    """The deterministic Hopper backward's programs as its kernel finds them (key_block_program,
+    then the rows block_range gives and the turns dq_order / dq_turn give): Turns[row, key block,
+    Q block], and Launched[row, key block] = the launch index (x fastest, then y, then z)."""
+    n_kb = tl.cdiv(sk, BLOCK_N)
+    n, row = key_block_program(n_kb, n_rows, HEAD_CHUNK, True, HAS_RIGHT)
     lin = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-    tl.store(Out + lin * 2, kb)
-    tl.store(Out + lin * 2 + 1, row)
+    tl.store(Launched + row * n_kb + n, lin)
+    lo, _, _, hi = block_range(n * BLOCK_N, BLOCK_N, BLOCK_M, sq, sq - sk, right, left, HAS_RIGHT, HAS_LEFT)
+    a, c = dq_order(n, n_kb, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
+    for start_m in range(lo, hi, BLOCK_M):
+        tl.store(Turns + (row * n_kb + n) * n_row_blocks + start_m // BLOCK_M,
+                 dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
 
 
-@pytest.mark.parametrize("n_kb", [1, 5, 8])
-@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (7, 2), (13, 1)], ids=str)  # (K/V heads, batch)
-@pytest.mark.parametrize("chunk", [1, 2, 4, 64])
-@pytest.mark.parametrize("last_first", [False, True], ids=["ascending", "last-first"])
-def test_backward_launch_order_follows_the_turns(n_kb, rows, chunk, last_first):
-    """The Hopper backward's grid as ops.backward._launch_sm90 launches it ((key blocks, K/V heads,
-    batch) with one row at a time, a 1D grid in chunks of rows otherwise): every (key block, row)
-    once, and in each row the key blocks in the order of their turns at a Q block (ascending,
-    the last first under a right bound: test_dq_turns_count_the_visitors_in_launch_order), so the
-    deterministic kernel's programs only wait for programs launched before them."""
+@pytest.mark.parametrize("sq,sk", [(700, 900), (900, 700), (1024, 1024)], ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 20), (64, -1), (-1, 64)], ids=str)
+@pytest.mark.parametrize("rows", [(1, 1), (7, 2)], ids=str)  # (K/V heads, batch)
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_backward_launch_order_follows_the_turns(sq, sk, window, rows, chunk):
+    """The deterministic Hopper backward's grid as ops.backward._launch_sm90 launches it ((key
+    blocks, K/V heads, batch) with one row at a time, a 1D grid in chunks of rows otherwise): every
+    (key block, row) once, and at every Q block of every row the visiting key blocks, taken in launch
+    order, have the turns 0, 1, ...: each program waits only for programs launched before it (the
+    kernel relies on the GPU starting programs in launch order; otherwise it would hang)."""
+    bm, bn = 64, 128
+    left, right = window
     hk, batch = rows
-    n_rows = hk * batch
+    n_rows, n_kb, n_row_blocks = hk * batch, triton.cdiv(sk, bn), triton.cdiv(sq, bm)
+    turns = torch.full((n_rows, n_kb, n_row_blocks), -1, dtype=torch.int32)
+    launched = torch.full((n_rows, n_kb), -1, dtype=torch.int32)
     grid = (n_kb, hk, batch) if chunk == 1 else (n_kb * n_rows, 1, 1)
-    out = torch.full((n_kb * n_rows, 2), -1, dtype=torch.int32)
-    _programs_kernel[grid](out, n_kb, n_rows, HEAD_CHUNK=chunk, LAST_FIRST=last_first)
-    at = {tuple(p): lin for lin, p in enumerate(out.tolist())}
-    assert sorted(at) == [(kb, r) for kb in range(n_kb) for r in range(n_rows)]
+    _launch_turns_kernel[grid](turns, launched, sq, sk, max(left, 0), right if right >= 0 else 0, n_row_blocks,
+                               n_rows, BLOCK_M=bm, BLOCK_N=bn, HEAD_CHUNK=chunk, HAS_LEFT=left >= 0,
+                               HAS_RIGHT=right >= 0)
+    assert sorted(launched.flatten().tolist()) == list(range(n_rows * n_kb))
     for r in range(n_rows):
-        turns = sorted(range(n_kb), reverse=last_first)
-        launched = [at[kb, r] for kb in turns]
-        assert launched == sorted(launched), (r, launched)
+        for m in range(n_row_blocks):
+            visitors = sorted((n for n in range(n_kb) if turns[r, n, m] >= 0), key=lambda n: int(launched[r, n]))
+            assert [int(turns[r, n, m]) for n in visitors] == list(range(len(visitors))), (r, m)

@@ -100,9 +100,10 @@ def test_hopper_backward_compiles_deterministic(d, causal):
     """deterministic: the dQ writer partition has its acquire poll of the turn, its full bulk wait
     (cp.async.bulk.wait_group 0, not .read) and its release count, once each; the consumers keep
     the 240 registers and asynchronous wgmmas, and the handoff's barriers fit the shared memory.
-    Compiled in the chunked launch order it takes (configs.hopper_backward_head_chunk's ordered),
-    whose index arithmetic spills at d=128 40 bytes non-causal (8 one row at a time), 20 causal;
-    d=64 144 / 184 (the any-order kernel's 136 / 148)."""
+    Compiled in the launch order it takes (configs.hopper_backward_head_chunk's ordered: chunks of
+    rows without a right bound, and at d=128 causal), whose chunks' index arithmetic spills 40 bytes
+    at d=128 non-causal (12 one row at a time; the any-order kernel 8), 20 causal; d=64 144 / 184
+    in either order (the any-order kernel's 136 / 148)."""
     report = memory_ops("backward-sm90", d, "--deterministic", *(["--causal"] if causal else []))
     assert report["ordered"] == [1, 1, 1], report
     assert report["spill_bytes"] <= {64: 208, 128: 40}[d], report

@@ -181,7 +181,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             packed batches too) adds dQ's key blocks up with TMA reductions, in an order that
             varies from run to run; every other call is reproducible either way. With True it
             adds them in a fixed order at head dims up to 128 except d <= 64 without a right
-            bound below 4k keys (3-17% slower than the default; configs.hopper_backward_ordered);
+            bound below 2k keys (2-17% slower than the default; configs.hopper_backward_ordered);
             elsewhere dQ gets Triton programs of its own (no atomics).
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
         learnable_sink: optional (nheads,) float32 / bfloat16 / float16, keyword (FlashAttention-4's

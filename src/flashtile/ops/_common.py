@@ -132,14 +132,15 @@ def dq_turn(start_m, a, c, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RI
 
 
 @triton.jit
-def key_block_program(n_kb, n_rows, HEAD_CHUNK: tl.constexpr, LAST_FIRST: tl.constexpr):
+def key_block_program(n_kb, n_rows, HEAD_CHUNK: tl.constexpr, DETERMINISTIC: tl.constexpr,
+                      HAS_RIGHT: tl.constexpr):
     """(key block, row) of this program of the Hopper backward's grid of n_kb key blocks x n_rows
-    (batch, K/V head) rows, in head_chunked_order; LAST_FIRST (the deterministic backward under a
-    right bound) reverses each row's key blocks, so that in every row the key block whose addition
-    into a Q block comes first in dq_order is launched first, the next one after it, and so on: a
+    (batch, K/V head) rows, in head_chunked_order. DETERMINISTIC under a right bound reverses each
+    row's key blocks (dq_order: there the last adds first), so that in every row the key block whose
+    addition into a Q block comes first is launched first, the next one after it, and so on: a
     program only waits for programs launched before it (tests/test_block_range_interpret.py)."""
     pid, row = head_chunked_order(n_kb, n_rows, HEAD_CHUNK)
-    if LAST_FIRST:
+    if DETERMINISTIC and HAS_RIGHT:
         pid = n_kb - 1 - pid
     return pid, row
 
@@ -175,7 +176,7 @@ def head_chunked_order(n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
     head after the other (the y axis holds 65535 programs, batch x heads may need more). Otherwise a 1D
     grid launched in chunks of HEAD_CHUNK heads: program 0 of each head of the chunk, then
     program 1 of each, and so on. Under a causal mask program 0 is the longest (callers order them
-    so; the deterministic Hopper backward reverses them afterwards, ops.backward.dq_order), so a chunk runs its long programs first, where one head at a time would start the long
+    so; the deterministic Hopper backward reverses them afterwards: key_block_program, dq_order), so a chunk runs its long programs first, where one head at a time would start the long
     programs of the last heads last and leave SMs idle at the end; the chunk bounds how many heads'
     rows stream through L2 at once. (The index arithmetic costs registers: 126 -> 136 in the dQ
     program at d=64, which halved its occupancy at 8 warps; hence the plain 2D grid for 1.)

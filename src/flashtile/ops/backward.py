@@ -1066,8 +1066,7 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
     n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
     gl.static_assert(not (DETERMINISTIC and SPLIT_D), "SPLIT_D's dQ has no writer partition")
-    # with DETERMINISTIC under a right bound the last key block adds first (dq_order): launched first
-    pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK, DETERMINISTIC and HAS_RIGHT)
+    pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK, DETERMINISTIC, HAS_RIGHT)
     start_n = pid * BLOCK_N
     # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):
     # reading them off the z and y axes measured 407 against 414 TFLOP/s at d=64 causal 16k

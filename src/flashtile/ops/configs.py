@@ -215,7 +215,7 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
 
 def hopper_backward_ordered(d: int, seqlen_k: int, right_bounded: bool) -> bool:
     """Whether a deterministic backward takes the Hopper kernel (dQ's additions in their fixed
-    order, ops.backward._dq_order) over the Triton programs. Not at head dims computed at 256,
+    order, ops._common.dq_order) over the Triton programs. Not at head dims computed at 256,
     whose dQ (SPLIT_D) has no fixed order. Measured on the H100 (bf16, 16k tokens, backward
     TFLOP/s, ordered Hopper / Triton programs in one run, 1k / 2k / 4k / 16k;
     prefill_deterministic_ac2ed17.json, before the chunks of hopper_backward_head_chunk): d=128 346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 /
@@ -296,7 +296,7 @@ def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, 
     420, 456 -> 486, 1k level (345 / 337); d=64 1k / 2k / 4k 288 -> 305, 330 -> 380, 372 -> 416;
     at 8k / 16k then 0.98 / 1.00x the any-order kernel at d=128 and 0.95 / 0.97x at d=64, where
     one row at a time had 0.95x / 0.91x at 16k in the last session's run; the chunks' index
-    arithmetic spills 40 bytes at d=128 where 8 were). Under a right bound the kernel reverses the
+    arithmetic spills 40 bytes at d=128 where 12 were, none more at d=64). Under a right bound the kernel reverses the
     key blocks (the last first, ops._common.dq_order), and key block n + 1, started beside key block n, reaches
     a Q block a step or two before it: there the ordered kernel keeps the any-order rule (d=64 causal in chunks measured
     level at 1k / 2k and 354 / 356 -> 382 / 359 at 4k, 426 / 438 -> 447 / 449 at 16k one row at a
