@@ -61,6 +61,9 @@ def reruns(rounds: int) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    unknown = [a for a in sys.argv[1:] if a.startswith("--") and a != "--all-ordered" and not a.startswith("--chunk=")]
+    if unknown:
+        sys.exit(f"unknown option(s) {unknown}: --all-ordered, --chunk=N")
     if "--all-ordered" in sys.argv:
         configs.hopper_backward_ordered = lambda d, seqlen_k, right_bounded: d <= 128
     forced = [int(a.split("=")[1]) for a in sys.argv if a.startswith("--chunk=")]
