@@ -54,39 +54,6 @@ def test_block_range_is_tight_and_safe(sq, sk, window, blocks):
 
 
 @triton.jit
-def _turns_kernel(Out, sq, sk, left, right, n_row_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Key block n's turn at each Q block it visits, the Hopper backward's way: its rows from
-    block_range (keys over rows), its turns from dq_order / dq_turn."""
-    n = tl.program_id(0)
-    lo, _, _, hi = block_range(n * BLOCK_N, BLOCK_N, BLOCK_M, sq, sq - sk, right, left, HAS_RIGHT, HAS_LEFT)
-    a, c = dq_order(n, tl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
-    for start_m in range(lo, hi, BLOCK_M):
-        tl.store(Out + n * n_row_blocks + start_m // BLOCK_M, dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
-
-
-@pytest.mark.parametrize("sq,sk", [(700, 900), (900, 700), (1024, 1024), (100, 1000), (1000, 100), (1, 300)], ids=str)
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 20), (300, 0), (64, -1), (-1, 64), (0, 0), (-1, -200)],
-                         ids=str)
-@pytest.mark.parametrize("blocks", [(64, 128), (128, 128), (16, 32)], ids=str)
-def test_dq_turns_count_the_visitors_in_launch_order(sq, sk, window, blocks):
-    """The deterministic Hopper backward's order of dQ's additions: at every Q block the key blocks
-    that visit it (block_range's rows) have the turns 0, 1, ... once each, so each one's wait ends
-    at the additions of exactly the ones before it; and those come first in launch order (the last
-    key block first under a right bound, where the kernel reverses its grid), so no program waits
-    for one launched after it."""
-    bm, bn = blocks
-    left, right = window
-    n_blocks, n_rows = triton.cdiv(sk, bn), triton.cdiv(sq, bm)
-    out = torch.full((n_blocks, n_rows), -1, dtype=torch.int32)
-    _turns_kernel[(n_blocks,)](out, sq, sk, max(left, 0), right if right >= 0 else 0, n_rows, BLOCK_M=bm,
-                               BLOCK_N=bn, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0)
-    for m in range(n_rows):
-        visitors = sorted((n for n in range(n_blocks) if out[n, m] >= 0), reverse=right >= 0)
-        assert [int(out[n, m]) for n in visitors] == list(range(len(visitors))), (m, out[:, m].tolist())
-
-
-@triton.jit
 def _launch_turns_kernel(Turns, Launched, sq, sk, left, right, n_row_blocks, n_rows, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HEAD_CHUNK: tl.constexpr, HAS_LEFT: tl.constexpr,
                          HAS_RIGHT: tl.constexpr):
@@ -104,6 +71,39 @@ def _launch_turns_kernel(Turns, Launched, sq, sk, left, right, n_row_blocks, n_r
                  dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
 
 
+def launch_turns(sq, sk, window, blocks, rows, chunk):
+    """(turns, launched) of _launch_turns_kernel over the grid ops.backward._launch_sm90 launches:
+    (key blocks, K/V heads, batch) with chunk 1, else a 1D grid; rows = (K/V heads, batch)."""
+    bm, bn = blocks
+    left, right = window
+    hk, batch = rows
+    n_rows, n_kb, n_row_blocks = hk * batch, triton.cdiv(sk, bn), triton.cdiv(sq, bm)
+    turns = torch.full((n_rows, n_kb, n_row_blocks), -1, dtype=torch.int32)
+    launched = torch.full((n_rows, n_kb), -1, dtype=torch.int32)
+    grid = (n_kb, hk, batch) if chunk == 1 else (n_kb * n_rows, 1, 1)
+    _launch_turns_kernel[grid](turns, launched, sq, sk, max(left, 0), right if right >= 0 else 0, n_row_blocks,
+                               n_rows, BLOCK_M=bm, BLOCK_N=bn, HEAD_CHUNK=chunk, HAS_LEFT=left >= 0,
+                               HAS_RIGHT=right >= 0)
+    return turns, launched
+
+
+@pytest.mark.parametrize("sq,sk", [(700, 900), (900, 700), (1024, 1024), (100, 1000), (1000, 100), (1, 300)], ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 20), (300, 0), (64, -1), (-1, 64), (0, 0), (-1, -200)],
+                         ids=str)
+@pytest.mark.parametrize("blocks", [(64, 128), (128, 128), (16, 32)], ids=str)
+def test_dq_turns_count_the_visitors_in_launch_order(sq, sk, window, blocks):
+    """The deterministic Hopper backward's order of dQ's additions: at every Q block the key blocks
+    that visit it (block_range's rows) have the turns 0, 1, ... once each, so each one's wait ends
+    at the additions of exactly the ones before it; and those come first in launch order (the last
+    key block first under a right bound, where the kernel reverses its grid), so no program waits
+    for one launched after it."""
+    out, _ = launch_turns(sq, sk, window, blocks, (1, 1), 1)
+    out = out[0]
+    for m in range(out.shape[1]):
+        visitors = sorted((n for n in range(out.shape[0]) if out[n, m] >= 0), reverse=window[1] >= 0)
+        assert [int(out[n, m]) for n in visitors] == list(range(len(visitors))), (m, out[:, m].tolist())
+
+
 @pytest.mark.parametrize("sq,sk", [(700, 900), (900, 700), (1024, 1024)], ids=str)
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 20), (64, -1), (-1, 64)], ids=str)
 @pytest.mark.parametrize("rows", [(1, 1), (7, 2)], ids=str)  # (K/V heads, batch)
@@ -114,16 +114,8 @@ def test_backward_launch_order_follows_the_turns(sq, sk, window, rows, chunk):
     (key block, row) once, and at every Q block of every row the visiting key blocks, taken in launch
     order, have the turns 0, 1, ...: each program waits only for programs launched before it (the
     kernel relies on the GPU starting programs in launch order; otherwise it would hang)."""
-    bm, bn = 64, 128
-    left, right = window
-    hk, batch = rows
-    n_rows, n_kb, n_row_blocks = hk * batch, triton.cdiv(sk, bn), triton.cdiv(sq, bm)
-    turns = torch.full((n_rows, n_kb, n_row_blocks), -1, dtype=torch.int32)
-    launched = torch.full((n_rows, n_kb), -1, dtype=torch.int32)
-    grid = (n_kb, hk, batch) if chunk == 1 else (n_kb * n_rows, 1, 1)
-    _launch_turns_kernel[grid](turns, launched, sq, sk, max(left, 0), right if right >= 0 else 0, n_row_blocks,
-                               n_rows, BLOCK_M=bm, BLOCK_N=bn, HEAD_CHUNK=chunk, HAS_LEFT=left >= 0,
-                               HAS_RIGHT=right >= 0)
+    turns, launched = launch_turns(sq, sk, window, (64, 128), rows, chunk)
+    n_rows, n_kb, n_row_blocks = turns.shape
     assert sorted(launched.flatten().tolist()) == list(range(n_rows * n_kb))
     for r in range(n_rows):
         for m in range(n_row_blocks):
