@@ -475,18 +475,19 @@ def test_dropout_window(hopper_launches, hopper_backward_launches, window):
 
 @pytest.mark.parametrize("p", [0.2, 0.6])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
-def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, d, p):
-    """The Hopper backward and the Triton one (deterministic=True) regenerate the same mask: their
-    gradients of one Hopper forward agree (a mask differing in 1 of 5 scores would not); at p = 0.6
-    the threshold is past 128, the other branch of the four-bytes-at-a-time compare."""
+def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, monkeypatch, d, p):
+    """The Hopper backward and the Triton one (the Hopper backward switched off) regenerate the same
+    mask: their gradients of one Hopper forward agree (a mask differing in 1 of 5 scores would not);
+    at p = 0.6 the threshold is past 128, the other branch of the four-bytes-at-a-time compare."""
     q, k, v = make_qkv(2, 1000, 1100, 4, 2, d, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     dropout = (p, draw_rng("cuda"))
     scale = d ** -0.5
     out, lse = forward.attention_forward(q, k, v, scale, (None, 0), dropout=dropout)
     assert hopper_launches
-    triton_grads = backward.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout,
-                                               deterministic=True)
+    with monkeypatch.context() as m:
+        m.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
+        triton_grads = backward.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout)
     assert not hopper_backward_launches
     hopper_grads = backward.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout)
     assert hopper_backward_launches
