@@ -60,15 +60,18 @@ def test_window(hopper_launches, window, lengths, d, dtype):
     dict(lengths=(1024, 4096), causal=True),
     dict(lengths=(1500, 1500), window=(200, 0)),
     dict(lengths=(1000, 1300), causal=False),
-], ids=["causal-sq>sk", "causal-sq<sk", "window", "full"])
+    dict(lengths=(4096, 1024), causal=True, dropout_p=0.17),
+    dict(lengths=(1000, 1300), causal=False, dropout_p=0.17),
+], ids=["causal-sq>sk", "causal-sq<sk", "window", "full", "dropout-causal-sq>sk", "dropout-full"])
 def test_few_programs_many_tiles(hopper_launches, monkeypatch, case):
     """The persistent grid with 3 programs: each walks tens of tiles of different lengths (empty
     ones included), carrying the K/V ring's and Q's barrier phases from tile to tile; the tile
-    counter is back to 0 after each launch."""
+    counter is back to 0 after each launch. With dropout too: the other tests' grids give each
+    program at most a tile or two, so a state carried from tile to tile is only checked here."""
     monkeypatch.setattr(configs, "num_sms", lambda device: 3)
     for _ in range(2):
         check_prefill(2, *case["lengths"], 4, 2, 128, torch.bfloat16, "cuda", causal=case.get("causal", False),
-                      window=case.get("window", (-1, -1)), backward=False)
+                      window=case.get("window", (-1, -1)), dropout_p=case.get("dropout_p", 0.0), backward=False)
         assert forward.tile_counter(torch.device("cuda")).item() == 0
     assert hopper_launches
 
