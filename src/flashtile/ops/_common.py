@@ -176,7 +176,8 @@ def head_chunked_order(n_programs, n_heads, HEAD_CHUNK: tl.constexpr):
     head after the other (the y axis holds 65535 programs, batch x heads may need more). Otherwise a 1D
     grid launched in chunks of HEAD_CHUNK heads: program 0 of each head of the chunk, then
     program 1 of each, and so on. Under a causal mask program 0 is the longest (callers order them
-    so; the deterministic Hopper backward reverses them afterwards: key_block_program, dq_order), so a chunk runs its long programs first, where one head at a time would start the long
+    so; the deterministic Hopper backward reverses them afterwards: key_block_program, dq_order),
+    so a chunk runs its long programs first, where one head at a time would start the long
     programs of the last heads last and leave SMs idle at the end; the chunk bounds how many heads'
     rows stream through L2 at once. (The index arithmetic costs registers: 126 -> 136 in the dQ
     program at d=64, which halved its occupancy at 8 warps; hence the plain 2D grid for 1.)

@@ -218,11 +218,12 @@ def hopper_backward_ordered(d: int, seqlen_k: int, right_bounded: bool) -> bool:
     order, ops._common.dq_order) over the Triton programs. Not at head dims computed at 256,
     whose dQ (SPLIT_D) has no fixed order. Measured on the H100 (bf16, 16k tokens, backward
     TFLOP/s, ordered Hopper / Triton programs in one run, 1k / 2k / 4k / 16k;
-    prefill_deterministic_ac2ed17.json, before the chunks of hopper_backward_head_chunk): d=128 346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 /
-    233, 337 / 306, 412 / 342, 484 / 394; d=64 causal 231 / 199, 309 / 263, 370 / 295, 441 / 348;
-    d=64 without a right bound at 4k / 16k 378 / 346, 430 / 367, but at 1k / 2k 284 / 311, 330 /
-    346 (prefill_deterministic_first.json): there all key blocks of a head started together and
-    each waited for the one before at every Q block. Launched in chunks of rows
+    prefill_deterministic_ac2ed17.json, before the chunks of hopper_backward_head_chunk): d=128
+    346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 / 233, 337 / 306, 412 / 342, 484 / 394;
+    d=64 causal 231 / 199, 309 / 263, 370 / 295, 441 / 348; d=64 without a right bound at 4k /
+    16k 378 / 346, 430 / 367, but at 1k / 2k 284 / 311, 330 / 346 (prefill_deterministic_first.json):
+    there all key blocks of a head started together and each waited for the one before at every Q
+    block. Launched in chunks of rows
     (hopper_backward_head_chunk's ordered) the ordered kernel measured 305 / 380 there against
     the Triton programs' 303 / 334 (ab_det_chunk.txt, two calls), so below 2k keys d=64 keeps the
     Triton programs (level at 1k). At the head dims computed at 64 or 128
