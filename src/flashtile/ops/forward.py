@@ -478,6 +478,38 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 
 
 @gluon.jit
+def _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q, stride_ob,
+                       stride_om, stride_oh, dropout_scale, HAS_SINK: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                       IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A consumer's rows row0 .. of a finished tile (batch b, head h): acc / l into Out and the LSE
+    (natural log) into Lse, the Triton kernel's epilogue. m_i, l_i: the online softmax's row max
+    (log2 domain) and sum, in the scores' row layout."""
+    o_layout: gl.constexpr = acc.type.layout
+    HALF_M: gl.constexpr = acc.shape[0]
+    BLOCK_D: gl.constexpr = acc.shape[1]
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    if HAS_SINK:
+        acc, l_o, m_o = fold_sink(acc, l_o, m_o, Sink, h)
+    # Rows that saw no key (nor a sink): l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
+    empty = l_o == 0.0
+    l_safe = gl.where(empty, 1.0, l_o)
+    if HAS_DROPOUT:  # the kept products scaled by 1 / (1 - p)
+        l_safe = l_safe / dropout_scale
+    out = acc / l_safe[:, None]
+    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * LN2)
+    offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+              + (q_start + offs_m)[:, None].to(gl.int64) * stride_om + offs_d[None, :])
+    o_mask = offs_m[:, None] < sq_b
+    if HEAD_DIM < BLOCK_D:  # the boxes' columns past the head dim (zeros): not stored
+        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+    gl.store(Lse + lse_row_base(b, h, nheads, sq_b, q_start, total_q, IS_VARLEN) + offs_m, lse, mask=offs_m < sq_b)
+
+
+@gluon.jit
 def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                       tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left,
                       right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ,
@@ -523,6 +555,22 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
     q_loads = 0
     n = 0
     tile = gl.program_id(0)
+    # DEFER_PV (two consumers, persistent, dropout): a tile's last P V is issued beside the next
+    # tile's first S, whose softmax and Philox calls run under it, and the tile's rows are stored
+    # after; pending while `it` > 0, with its operands, output rows and softmax state. Without
+    # dropout the deferral measured slower at 1k-2k (H200 NOTES.md), so there a tile ends with its
+    # last P V and its output; with a cap or ALiBi beside dropout it spills 368 / 460 bytes and was
+    # not measured, so neither takes it.
+    DEFER_PV: gl.constexpr = CONSUMERS == 2 and PERSISTENT and HAS_DROPOUT and not (HAS_SOFTCAP or HAS_ALIBI)
+    p_last = gl.zeros([HALF_M, BLOCK_N], dtype, p_layout)
+    acc_last = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
+    m_last = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_last = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    b_last = 0
+    h_last = 0
+    row0_last = 0
+    q_start_last = 0
+    sq_b_last = 0
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
             tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q,
@@ -548,10 +596,34 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                 mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
                 k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                 s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b, diag_offset,
-                                                      left, right, qk_scale, softcap, slope, seed, b * nheads + h,
-                                                      threshold, HAS_LEFT, HAS_RIGHT, 0, HAS_SOFTCAP, HAS_ALIBI,
-                                                      HAS_DROPOUT, False, HALF_M, BLOCK_N, dtype)
+                if DEFER_PV:
+                    if it > 0:  # the last tile's last P V runs under this S's softmax, then its rows are stored
+                        last = (it - 1) % NUM_STAGES
+                        mbarrier.wait(v_ready.index(last), ((it - 1) // NUM_STAGES) & 1)
+                        o_tok = warpgroup_mma(p_last, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc_last,
+                                              is_async=True)
+                        p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
+                                                              diag_offset, left, right, qk_scale, softcap, slope, seed,
+                                                              b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1,
+                                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M,
+                                                              BLOCK_N, dtype)
+                        acc_last, p_last = warpgroup_mma_wait(0, deps=(o_tok, p_last))
+                        mbarrier.arrive(v_empty.index(last), count=1)
+                        _fwd_sm90_epilogue(acc_last, m_last, l_last, Out, Lse, Sink, b_last, h_last, row0_last,
+                                           q_start_last, sq_b_last, nheads, total_q, stride_ob, stride_om, stride_oh,
+                                           dropout_scale, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM)
+                    else:
+                        p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
+                                                              diag_offset, left, right, qk_scale, softcap, slope, seed,
+                                                              b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
+                                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M,
+                                                              BLOCK_N, dtype)
+                else:
+                    p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
+                                                          diag_offset, left, right, qk_scale, softcap, slope, seed,
+                                                          b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
+                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M, BLOCK_N,
+                                                          dtype)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
                     prev = (it + j - 1) % NUM_STAGES
@@ -575,12 +647,23 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 mbarrier.arrive(q_empty.index(qs), count=1)  # every S of the tile is done: its Q buffer is free
-                last = (it + n_blocks - 1) % NUM_STAGES
-                mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // NUM_STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                o_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-                acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-                mbarrier.arrive(v_empty.index(last), count=1)
+                if DEFER_PV:  # the last P V waits for the next tile's first S (or the end of the program)
+                    p_last = gl.convert_layout(p.to(dtype), p_layout)
+                    acc_last = acc
+                    m_last = m_i
+                    l_last = l_i
+                    b_last = b
+                    h_last = h
+                    row0_last = row0
+                    q_start_last = q_start
+                    sq_b_last = sq_b
+                else:
+                    last = (it + n_blocks - 1) % NUM_STAGES
+                    mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // NUM_STAGES) & 1)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    o_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+                    acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                    mbarrier.arrive(v_empty.index(last), count=1)
             else:  # three consumers: each block's S, softmax and P V in turn (see the comment above)
                 for j in range(n_blocks):
                     stage = (it + j) % NUM_STAGES
@@ -610,34 +693,31 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                 mbarrier.arrive(q_empty.index(qs), count=1)
             it += n_blocks
             q_loads += 1
-        if ROWSUM_MMA:
-            l_i = gl.max(l_i, 1)
-
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        if HAS_SINK:
-            acc, l_o, m_o = fold_sink(acc, l_o, m_o, Sink, h)
-        # Rows that saw no key (nor a sink): l = 0 -> output 0 and LSE = -inf, as in the Triton kernel.
-        empty = l_o == 0.0
-        l_safe = gl.where(empty, 1.0, l_o)
-        if HAS_DROPOUT:  # the kept products scaled by 1 / (1 - p)
-            l_safe = l_safe / dropout_scale
-        out = acc / l_safe[:, None]
-        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * LN2)
-        offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-                  + (q_start + offs_m)[:, None].to(gl.int64) * stride_om + offs_d[None, :])
-        o_mask = offs_m[:, None] < sq_b
-        if HEAD_DIM < BLOCK_D:  # the boxes' columns past the head dim (zeros): not stored
-            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
-        gl.store(Lse + lse_row_base(b, h, nheads, sq_b, q_start, total_q, IS_VARLEN) + offs_m, lse, mask=offs_m < sq_b)
+        if DEFER_PV:
+            if n_blocks == 0:  # rows that see no key: stored at once
+                _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q,
+                                   stride_ob, stride_om, stride_oh, dropout_scale, HAS_SINK, HAS_DROPOUT, IS_VARLEN,
+                                   HEAD_DIM)
+        else:
+            if ROWSUM_MMA:
+                l_i = gl.max(l_i, 1)
+            _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q, stride_ob,
+                               stride_om, stride_oh, dropout_scale, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM)
         if PERSISTENT:
             tile = _fwd_sm90_next(tile_ids, tile_ready, tile_free, n)
         else:
             tile = n_tiles
         n += 1
+    if DEFER_PV:
+        if it > 0:  # the program's last tile
+            last = (it - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(last), ((it - 1) // NUM_STAGES) & 1)
+            o_tok = warpgroup_mma(p_last, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc_last, is_async=True)
+            acc_last, p_last = warpgroup_mma_wait(0, deps=(o_tok, p_last))
+            mbarrier.arrive(v_empty.index(last), count=1)
+            _fwd_sm90_epilogue(acc_last, m_last, l_last, Out, Lse, Sink, b_last, h_last, row0_last, q_start_last,
+                               sq_b_last, nheads, total_q, stride_ob, stride_om, stride_oh, dropout_scale, HAS_SINK,
+                               HAS_DROPOUT, IS_VARLEN, HEAD_DIM)
 
 
 @gluon.jit(do_not_specialize=["n_tiles", "head_chunk", "n_m", "sq", "sk", "left", "right", "total_q", "total_k",
