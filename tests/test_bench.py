@@ -311,6 +311,21 @@ def test_decode_cases():
     assert [r[-1] for r in decode.cases(True, [])] == [1, 1, 1]
 
 
+def test_decode_sweep_of_the_warp_kernel_keeps_its_choice_and_splits():
+    """--sweep-kernel warps: the sweep's tile (keys a warp, warps, stages) replaces the Gluon
+    kernel's tiles, but where and with how many splits it runs stay configs.decode_warp_tiles'."""
+    from flashtile.ops import configs
+
+    def real(rows, d, dtype, device, kv_rows, max_keys, num_splits):
+        return (configs.BlockConfig(8, 64, 4, 3), num_splits or 66) if kv_rows <= 132 else None
+
+    tiles = decode._warp_tiles_as(real, (32, 8, 2))
+    assert tiles(8, 128, None, None, 2, 131072, 0) == (configs.BlockConfig(8, 256, 8, 2), 66)
+    assert tiles(8, 128, None, None, 2, 131072, 132) == (configs.BlockConfig(8, 256, 8, 2), 132)
+    assert tiles(8, 128, None, None, 512, 256, 0) is None
+    assert decode._warp_tiles_as(real, None)(8, 128, None, None, 2, 1, 0) == real(8, 128, None, None, 2, 1, 0)
+
+
 @pytest.mark.interpret
 def test_decode_rows_agree_on_cpu(tmp_path, monkeypatch):
     """The real implementations on tiny CPU shapes (kernels under the interpreter, timing faked):

@@ -34,7 +34,8 @@ excluded).
 writes decode.json (rewritten after every row); --plot-only redraws decode_latency.png,
 decode_bandwidth.png and decode_sq.png from it, --no-plot skips them (scripts/gpu_check.sh: fewer
 files back). --sq 2,4,8,16 picks the query lengths of the speculative rows ("" for none).
---sweep times tile / split alternatives per shape (device time, CUDA graphs) into decode_sweep.json.
+--sweep times tile / split alternatives per shape (device time, CUDA graphs) into decode_sweep.json:
+_split_kernel's tiles, or with --sweep-kernel warps the Gluon split kernel's where it runs.
 """
 
 from __future__ import annotations
@@ -379,16 +380,35 @@ def _sweep_tiles(spec: str):
     return list(itertools.product(*axes))
 
 
+def _warp_tiles_as(real, tile):
+    """configs.decode_warp_tiles with its tiles replaced by tile = (keys a warp, warps, stages), its
+    split count and its choice of kernel kept; tile None: the shipped one."""
+    from flashtile.ops import configs
+
+    def tiles(rows, d, dtype, device, kv_rows, max_keys, num_splits):
+        chosen = real(rows, d, dtype, device, kv_rows, max_keys, num_splits)
+        if chosen is None or tile is None:
+            return chosen
+        keys, warps, stages = tile
+        return configs.BlockConfig(chosen[0].block_m, keys * warps, warps, stages), chosen[1]
+    return tiles
+
+
 def sweep(args) -> dict:
     """Device time (graph_us) of flashtile's contiguous and paged paths per shape under alternative
     tiles, split counts (the heuristic's count x factor) and merges (the combine fused into the split
-    kernel or a combine kernel): configs.decode_config and DECODE_FUSED_MAX_SPLITS replaced for the call.
-    The tiles are _split_kernel's: the Gluon split kernel (configs.decode_warp_tiles) is off meanwhile."""
+    kernel, a combine kernel, or auto: the shipped rule): configs.decode_config (or, with --sweep-kernel
+    warps, configs.decode_warp_tiles) and DECODE_FUSED_MAX_SPLITS replaced for the call. With
+    --sweep-kernel triton the tiles are _split_kernel's (BLOCK_N x warps x stages) and the Gluon split
+    kernel is off meanwhile; with warps they are _split_kernel_warps' (keys a warp x warps x stages)
+    where configs.decode_warp_tiles takes the shape, and the shapes it does not take are skipped."""
     from flashtile.ops import configs
 
     dtype = getattr(torch, args.dtype)
     real, real_fused, real_warps = configs.decode_config, configs.DECODE_FUSED_MAX_SPLITS, configs.decode_warp_tiles
-    configs.decode_warp_tiles = lambda *args, **kwargs: None
+    gluon = args.sweep_kernel == "warps"
+    if not gluon:
+        configs.decode_warp_tiles = lambda *args, **kwargs: None
     pages = [int(p) for p in args.sweep_pages.split(",")]
     factors = [float(f) for f in args.sweep_factors.split(",")]
     rows = []
@@ -399,17 +419,27 @@ def sweep(args) -> dict:
             seqlens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
             for page, tile, factor, combine in itertools.product(pages, _sweep_tiles(args.sweep_tiles), factors,
                                                                  args.sweep_combine.split(",")):
-                if tile is None:
+                if gluon:
+                    configs.decode_warp_tiles = _warp_tiles_as(real_warps, tile)
+                elif tile is None:
                     configs.decode_config = real
                 else:
                     configs.decode_config = (lambda r, d, dt, p, dev, split=False, one_round=False, t=tile:
                                              configs.BlockConfig(real(r, d, dt, p, dev).block_m, *t))
-                configs.DECODE_FUSED_MAX_SPLITS = 1 << 30 if combine == "fused" else 0
+                configs.DECODE_FUSED_MAX_SPLITS = {"fused": 1 << 30, "kernel": 0}.get(combine, real_fused)
                 base = chosen_splits(batch, context, h, hk, dtype, page)
                 splits = max(1, round(base * factor))
-                # the tiles the launch takes (decode_tiles: split or one-round tiles where they apply)
-                cfg = configs.decode_tiles(h // hk, HEADDIM, dtype, page, torch.device(DEVICE), batch * hk, context,
-                                           num_splits=splits)[0]
+                # the tiles the launch takes (decode_warp_tiles' or decode_tiles': split or one-round
+                # tiles where they apply)
+                device = torch.device(DEVICE)
+                warp_cfg = configs.decode_warp_tiles(h // hk, HEADDIM, dtype, device, batch * hk, context, splits)
+                if gluon and warp_cfg is None:
+                    print(f"b={batch:3d} ctx={context:6d}: not the Gluon kernel's shape, skipped", flush=True)
+                    break
+                cfg = warp_cfg[0] if gluon else configs.decode_tiles(h // hk, HEADDIM, dtype, page, device,
+                                                                     batch * hk, context, num_splits=splits)[0]
+                if combine == "auto":
+                    combine = "fused" if configs.decode_fuse_combine(splits) else "kernel"
                 # a new lengths tensor per variant: flash_attn_with_kvcache keeps its recent plans by the
                 # identity of the index tensors, and each variant's plan has other tiles
                 fn, check = implementations(batch, context, h, hk, seqlens.clone(), dtype, num_splits=splits)[
@@ -430,6 +460,8 @@ def sweep(args) -> dict:
             for page in pages:
                 mine = [r for r in rows if r["batch"] == batch and r["context"] == context
                         and r["page"] == page and "graph_us" in r]
+                if not mine:
+                    continue
                 best = min(mine, key=lambda r: r["graph_us"])
                 print(f"b={batch:3d} ctx={context:6d} page={page:2d} best {best['graph_us']:7.1f} us "
                       f"{best['GBps']:6.0f} GB/s: BLOCK_N {best['block_n']} warps {best['warps']} "
@@ -571,7 +603,11 @@ def main(argv=None) -> None:
     p.add_argument("--sweep-tiles", default=SWEEP_TILES,
                    help=f"block_n x warps x stages lists ('' = the shipped tiles; default {SWEEP_TILES})")
     p.add_argument("--sweep-factors", default="0.5,1,2,4", help="split counts: the heuristic's x these")
-    p.add_argument("--sweep-combine", default="fused,kernel", help="merges: fused (in the split kernel), kernel")
+    p.add_argument("--sweep-combine", default="fused,kernel",
+                   help="merges: fused (in the split kernel), kernel, auto (the shipped rule)")
+    p.add_argument("--sweep-kernel", default="triton", choices=["triton", "warps"],
+                   help="whose tiles --sweep-tiles lists: _split_kernel's (BLOCK_N x warps x stages; the Gluon "
+                   "kernel off) or the Gluon _split_kernel_warps' (keys a warp x warps x stages, on its shapes)")
     p.add_argument("--sweep-out", default="decode_sweep.json", help="sweep result file name")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="write decode.json only (redraw later with --plot-only)")
