@@ -118,11 +118,12 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
 
 
 def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False,
-                           softcap: bool = False, alibi: bool = False):
+                           softcap: bool = False, alibi: bool = False, o_tma: bool = True):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores; alibi:
     ALiBi slopes), its tiles in chunks of heads where configs.hopper_forward_head_chunk takes them
-    (d=64, causal). d: the tensors' head dim, computed at configs.hopper_head_dim(d)."""
+    (d=64, causal). d: the tensors' head dim, computed at configs.hopper_head_dim(d). o_tma: the
+    output through the copy engine (an output TMA can address), else stored from registers."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     d, head_dim = configs.hopper_head_dim(d), d
@@ -133,7 +134,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
                  HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
                  HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
-                 HEAD_CHUNKED=causal and d == 64, HEAD_DIM=head_dim)
+                 HEAD_CHUNKED=causal and d == 64, HEAD_DIM=head_dim, O_TMA=o_tma)
     if not alibi:
         const["Slopes"] = None
     if not dropout:
@@ -142,7 +143,8 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
         const.update(CuSeqQ=None, CuSeqK=None)
     if not sink:
         const["Sink"] = None
-    boxes = dict(q_desc=cfg.block_m // const["CONSUMERS"], k_desc=cfg.block_n, v_desc=cfg.block_n)
+    boxes = dict(q_desc=cfg.block_m // const["CONSUMERS"], k_desc=cfg.block_n, v_desc=cfg.block_n,
+                 o_desc=cfg.block_m // const["CONSUMERS"])
     signature = {}
     for n in names:
         if n in const:
@@ -356,11 +358,14 @@ if __name__ == "__main__":
         options = ("--causal" in argv, "--dropout" in argv, "--varlen" in argv)
         if argv[0] == "forward-sm90":
             compiled = compile_hopper_forward(int(argv[1]), *options, sink="--sink" in argv,
-                                              softcap="--softcap" in argv, alibi="--alibi" in argv)
+                                              softcap="--softcap" in argv, alibi="--alibi" in argv,
+                                              o_tma="--pointer-out" not in argv)
         else:
             compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv,
                                                alibi="--alibi" in argv, deterministic="--deterministic" in argv)
         report = ptxas_report(compiled)
+        # bulk copies from shared memory to global memory (the forward's output rows through the copy engine)
+        report["bulk_stores"] = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", compiled.asm["ptx"]))
         if "--deterministic" in argv:  # the dQ writer's acquire poll, release count and full bulk wait
             ptx = compiled.asm["ptx"]
             report["ordered"] = [ptx.count("ld.acquire.gpu"), ptx.count("red.release.gpu"),

@@ -293,7 +293,10 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # tiles find their sequences in cu_seqlens and the copy engine reads the packed tensors as one
 # sequence of all the rows: varlen forward + backward 376 / 296 -> 482 / 399 TFLOP/s) and
 # HAS_SINK (fold_sink before the epilogue: a sink's forward at d=128 4k 401 -> 557 TFLOP/s; NOTES.md
-# "Packed batches and sinks on the Hopper kernels"). Measured and left out
+# "Packed batches and sinks on the Hopper kernels"). A consumer's output rows go out through its Q
+# buffer of the tile and one TMA store (O_TMA), not 4-byte stores from the accumulator's registers:
+# forward d=128 1k 527-547 -> 564-580 TFLOP/s, 2k 575-584 -> 638-640, causal 1k 367 -> 388 (H200
+# NOTES.md, thirty-eighth session). Measured and left out
 # (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to alternate on the tensor cores
 # (FA3's ping-pong) with a pair of mbarriers was slower here.
 # ----------------------------------------------------------------------------------------------
@@ -479,11 +482,18 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 
 @gluon.jit
 def _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q, stride_ob,
-                       stride_om, stride_oh, dropout_scale, HAS_SINK: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                       IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
+                       stride_om, stride_oh, dropout_scale, o_desc, o_smem, by_tma, HAS_SINK: gl.constexpr,
+                       HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       O_TMA: gl.constexpr):
     """A consumer's rows row0 .. of a finished tile (batch b, head h): acc / l into Out and the LSE
     (natural log) into Lse, the Triton kernel's epilogue. m_i, l_i: the online softmax's row max
-    (log2 domain) and sum, in the scores' row layout."""
+    (log2 domain) and sum, in the scores' row layout. With O_TMA and by_tma (a runtime flag) the rows
+    go through o_smem (this consumer's Q buffer of the tile, which the caller hands back after) to
+    the copy engine, which writes whole 16-byte pieces and clips rows past the sequence and columns
+    past HEAD_DIM (o_desc, BSHD, a box of these rows); this waits until the copy has read them.
+    Otherwise each thread stores its own pairs of columns, 4 bytes apiece: 64 rows of d=128 in 32
+    stores a thread, whose traffic measured 6-18% of the forward at 1k on the H200 (NOTES.md,
+    thirty-eighth session)."""
     o_layout: gl.constexpr = acc.type.layout
     HALF_M: gl.constexpr = acc.shape[0]
     BLOCK_D: gl.constexpr = acc.shape[1]
@@ -499,6 +509,25 @@ def _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b,
     out = acc / l_safe[:, None]
     lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * LN2)
     offs_m = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    if O_TMA:
+        if by_tma:
+            o_smem.reshape([HALF_M, BLOCK_D]).store(out.to(o_smem.dtype))
+            fence_async_shared()  # the stores, before the copy engine reads them
+            tma.async_copy_shared_to_global(o_desc, [0 if IS_VARLEN else b, q_start + row0, h, 0], o_smem)
+            tma.store_wait(0)  # read out of shared memory: the caller may hand the buffer back
+        else:
+            _fwd_sm90_store_rows(out, Out, b, h, offs_m, q_start, sq_b, stride_ob, stride_om, stride_oh, HEAD_DIM)
+    else:
+        _fwd_sm90_store_rows(out, Out, b, h, offs_m, q_start, sq_b, stride_ob, stride_om, stride_oh, HEAD_DIM)
+    gl.store(Lse + lse_row_base(b, h, nheads, sq_b, q_start, total_q, IS_VARLEN) + offs_m, lse, mask=offs_m < sq_b)
+
+
+@gluon.jit
+def _fwd_sm90_store_rows(out, Out, b, h, offs_m, q_start, sq_b, stride_ob, stride_om, stride_oh,
+                         HEAD_DIM: gl.constexpr):
+    """out's rows offs_m (those below sq_b) into Out from registers, the columns below HEAD_DIM."""
+    o_layout: gl.constexpr = out.type.layout
+    BLOCK_D: gl.constexpr = out.shape[1]
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
               + (q_start + offs_m)[:, None].to(gl.int64) * stride_om + offs_d[None, :])
@@ -506,19 +535,18 @@ def _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b,
     if HEAD_DIM < BLOCK_D:  # the boxes' columns past the head dim (zeros): not stored
         o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
     gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
-    gl.store(Lse + lse_row_base(b, h, nheads, sq_b, q_start, total_q, IS_VARLEN) + offs_m, lse, mask=offs_m < sq_b)
 
 
 @gluon.jit
-def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                      tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left,
+def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
+                      v_empty, tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left,
                       right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ,
                       CuSeqK, SeqUsedK, total_q, total_k, Sink, Slopes, stride_slope_b, stride_slope_h,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr,
                       PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                       ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                       HAS_SINK: gl.constexpr,
-                      HAS_ALIBI: gl.constexpr, HEAD_DIM: gl.constexpr):
+                      HAS_ALIBI: gl.constexpr, HEAD_DIM: gl.constexpr, O_TMA: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks. HAS_SOFTCAP: the scores are
@@ -533,7 +561,11 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
     kernels"), against 1e-5 with 128 keys a product. IS_VARLEN:
     the output's and the LSE's rows are the sequence's (Out's batch stride is 0, the LSE is (h,
     total_q)), and only its sq_b rows are stored. HAS_SINK: the attention sink joins each row's
-    sum once, before the epilogue (the Triton kernel's fold_sink)."""
+    sum once, before the epilogue (the Triton kernel's fold_sink). O_TMA: the output rows leave
+    through the tile's Q buffer and the copy engine (_fwd_sm90_epilogue; o_desc, over Out), so that
+    buffer goes back to the loader after them rather than after the tile's last S; a packed batch's
+    rows that end inside the 64 (the copy would write the next sequence's) and rows without keys
+    (no Q buffer) are stored from registers."""
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
@@ -562,6 +594,9 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
     # last P V and its output; with a cap or ALiBi beside dropout it spills 368 / 460 bytes and was
     # not measured, so neither takes it.
     DEFER_PV: gl.constexpr = CONSUMERS == 2 and PERSISTENT and HAS_DROPOUT and not (HAS_SOFTCAP or HAS_ALIBI)
+    # the tile's Q buffer holds its output rows on their way out (not with DEFER_PV, whose rows leave
+    # during the next tile, after this buffer went back): handed back after them
+    Q_AFTER_OUT: gl.constexpr = O_TMA and not DEFER_PV
     p_last = gl.zeros([HALF_M, BLOCK_N], dtype, p_layout)
     acc_last = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
     m_last = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -587,8 +622,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
             l_i = gl.zeros([HALF_M, 8], gl.float32, l_layout)
         else:
             l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        qs = q_loads % Q_STAGES
         if n_blocks > 0:
-            qs = q_loads % Q_STAGES
             mbarrier.wait(q_bar.index(qs), (q_loads // Q_STAGES) & 1)
             q = q_bufs.index(CONSUMERS * qs + half).reshape([HALF_M, BLOCK_D])
             if CONSUMERS == 2:
@@ -611,7 +646,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                         mbarrier.arrive(v_empty.index(last), count=1)
                         _fwd_sm90_epilogue(acc_last, m_last, l_last, Out, Lse, Sink, b_last, h_last, row0_last,
                                            q_start_last, sq_b_last, nheads, total_q, stride_ob, stride_om, stride_oh,
-                                           dropout_scale, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM)
+                                           dropout_scale, o_desc, q_bufs, False, HAS_SINK, HAS_DROPOUT, IS_VARLEN,
+                                           HEAD_DIM, False)
                     else:
                         p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
                                                               diag_offset, left, right, qk_scale, softcap, slope, seed,
@@ -646,7 +682,8 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                mbarrier.arrive(q_empty.index(qs), count=1)  # every S of the tile is done: its Q buffer is free
+                if not Q_AFTER_OUT:
+                    mbarrier.arrive(q_empty.index(qs), count=1)  # every S of the tile is done: its Q buffer is free
                 if DEFER_PV:  # the last P V waits for the next tile's first S (or the end of the program)
                     p_last = gl.convert_layout(p.to(dtype), p_layout)
                     acc_last = acc
@@ -690,19 +727,27 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
                     else:
                         acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
                     mbarrier.arrive(v_empty.index(stage), count=1)
-                mbarrier.arrive(q_empty.index(qs), count=1)
+                if not Q_AFTER_OUT:
+                    mbarrier.arrive(q_empty.index(qs), count=1)
             it += n_blocks
             q_loads += 1
         if DEFER_PV:
             if n_blocks == 0:  # rows that see no key: stored at once
                 _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q,
-                                   stride_ob, stride_om, stride_oh, dropout_scale, HAS_SINK, HAS_DROPOUT, IS_VARLEN,
-                                   HEAD_DIM)
+                                   stride_ob, stride_om, stride_oh, dropout_scale, o_desc, q_bufs, False, HAS_SINK,
+                                   HAS_DROPOUT, IS_VARLEN, HEAD_DIM, False)
         else:
             if ROWSUM_MMA:
                 l_i = gl.max(l_i, 1)
+            by_tma = n_blocks > 0
+            if IS_VARLEN:
+                by_tma = by_tma & (row0 + HALF_M <= sq_b)
             _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q, stride_ob,
-                               stride_om, stride_oh, dropout_scale, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM)
+                               stride_om, stride_oh, dropout_scale, o_desc, q_bufs.index(CONSUMERS * qs + half),
+                               by_tma, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM, Q_AFTER_OUT)
+            if Q_AFTER_OUT:
+                if n_blocks > 0:
+                    mbarrier.arrive(q_empty.index(qs), count=1)  # its rows are out: the Q buffer is free
         if PERSISTENT:
             tile = _fwd_sm90_next(tile_ids, tile_ready, tile_free, n)
         else:
@@ -716,20 +761,20 @@ def _fwd_sm90_consume(Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_
             acc_last, p_last = warpgroup_mma_wait(0, deps=(o_tok, p_last))
             mbarrier.arrive(v_empty.index(last), count=1)
             _fwd_sm90_epilogue(acc_last, m_last, l_last, Out, Lse, Sink, b_last, h_last, row0_last, q_start_last,
-                               sq_b_last, nheads, total_q, stride_ob, stride_om, stride_oh, dropout_scale, HAS_SINK,
-                               HAS_DROPOUT, IS_VARLEN, HEAD_DIM)
+                               sq_b_last, nheads, total_q, stride_ob, stride_om, stride_oh, dropout_scale, o_desc,
+                               q_bufs, False, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM, False)
 
 
 @gluon.jit(do_not_specialize=["n_tiles", "head_chunk", "n_m", "sq", "sk", "left", "right", "total_q", "total_k",
                               "threshold"])
-def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes,
-                     stride_ob, stride_om, stride_oh, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right,
-                     qk_scale, softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink,
+                     Slopes, stride_ob, stride_om, stride_oh, n_tiles, head_chunk, n_m, nheads, group, sq, sk,
+                     left, right, qk_scale, softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b,
+                     stride_slope_h, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
                      HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                     HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr):
+                     HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr, O_TMA: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile; with HEAD_CHUNKED in chunks of head_chunk heads), taking the next from a
     counter (_fwd_sm90_fetch), so one tile's output leaves while the next one's Q and K/V come in.
@@ -738,8 +783,10 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
     the (h,) attention sink, as there. HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are
     softcap_scales'). HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides.
     HEAD_DIM: the tensors' head dim; the descriptors' boxes may be wider (configs.hopper_head_dim),
-    their columns past it read as zeros, and the output's are not stored. Pointers and descriptors
-    come before the scalars, as ops._launch.launch passes them."""
+    their columns past it read as zeros, and the output's are not stored. O_TMA: o_desc, a box of a
+    consumer's rows of Out (BSHD; packed: (1, total, heads, d)), takes the output rows
+    (_fwd_sm90_epilogue); without it o_desc is q_desc and not read (a partition's argument cannot
+    be None). Pointers and descriptors come before the scalars, as ops._launch.launch passes them."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -780,27 +827,27 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
     # variable cannot hold the partition's function
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
+            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads,
+                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
+                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads,
+                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, head_chunk, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
+                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, head_chunk, n_m, nheads,
+                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM)),
+                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
                               nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
@@ -808,20 +855,20 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, Rng, CuSeqQ,
         ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
+            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads,
+                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM)),
-            (_fwd_sm90_consume, (Out, Lse, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads, group,
-                                 sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
+                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads,
+                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
                                  Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
                                  HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM)),
+                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
                               nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
@@ -901,9 +948,10 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
     vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
-    if varlen is not None:  # one sequence of all the rows for the copy engine; the kernel finds each
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     out_strides = seq_strides(out, varlen is not None)
+    o_tma = tma_ok(out) and out.dtype == q.dtype  # the output rows leave through a Q buffer
+    if varlen is not None:  # one sequence of all the rows for the copy engine; the kernel finds each
+        q, k, v, out = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
     n_m = cdiv(sq, cfg.block_m)
     n_tiles = n_m * h * b
     persistent = configs.hopper_forward_persistent(dp)
@@ -913,14 +961,15 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     if consumers not in (2, 3):
         raise ValueError(f"the Hopper forward runs 128- or 192-row tiles, got block_m={cfg.block_m}")
     chunk = configs.hopper_forward_head_chunk(dp, sk, h // hk, right is not None, q.device)
+    q_box = box_descriptor(q, cfg.block_m // consumers, dp)
     launch(_fwd_kernel_sm90, grid,
-           (out, lse, tile_counter(q.device), box_descriptor(q, cfg.block_m // consumers, dp),
-            box_descriptor(k, cfg.block_n, dp), box_descriptor(v, cfg.block_n, dp), rng, *vl_tensors[:3], sink,
-            alibi_slopes),
+           (out, lse, tile_counter(q.device), q_box, box_descriptor(k, cfg.block_n, dp),
+            box_descriptor(v, cfg.block_n, dp), box_descriptor(out, cfg.block_m // consumers, dp) if o_tma else q_box,
+            rng, *vl_tensors[:3], sink, alibi_slopes),
            (*out_strides[:3], n_tiles, chunk, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
             threshold, dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=hopper_forward_maxnreg(consumers), HAS_LEFT=left is not None,
            HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(dp),
            PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers,
            IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
-           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunk > 1, HEAD_DIM=d)
+           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunk > 1, HEAD_DIM=d, O_TMA=o_tma)
