@@ -594,9 +594,11 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     # last P V and its output; with a cap or ALiBi beside dropout it spills 368 / 460 bytes and was
     # not measured, so neither takes it.
     DEFER_PV: gl.constexpr = CONSUMERS == 2 and PERSISTENT and HAS_DROPOUT and not (HAS_SOFTCAP or HAS_ALIBI)
-    # the tile's Q buffer holds its output rows on their way out (not with DEFER_PV, whose rows leave
-    # during the next tile, after this buffer went back): handed back after them
-    Q_AFTER_OUT: gl.constexpr = O_TMA and not DEFER_PV
+    # the tile's Q buffer holds its output rows on their way out, and is handed back after them. Not
+    # with DEFER_PV, whose rows leave during the next tile, after this buffer went back; not with three
+    # consumers and dropout either, whose 160 registers then spill into the block loop (a reload every
+    # block at d=64, causal; none before), so those store from registers as they did
+    Q_AFTER_OUT: gl.constexpr = O_TMA and not DEFER_PV and not (CONSUMERS == 3 and HAS_DROPOUT)
     p_last = gl.zeros([HALF_M, BLOCK_N], dtype, p_layout)
     acc_last = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
     m_last = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
