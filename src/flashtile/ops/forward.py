@@ -274,7 +274,8 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # counter, so a tile's epilogue runs under the next tile's loads. A one-warp loader partition
 # brings each tile's Q (into one of Q_STAGES buffers) and its K/V blocks through a ring of
 # NUM_STAGES shared buffers with TMA (ready barriers per buffer and operand; empty barriers every
-# consumer releases, K's after its S = Q K^T, V's after its P V and Q's after the tile's last S).
+# consumer releases, K's after its S = Q K^T, V's after its P V and Q's after the tile's output
+# rows, which leave through it (O_TMA), or else after the tile's last S).
 # The consumer warpgroups (the default partition and workers) each run the online softmax of their
 # 64 rows on wgmma accumulators, independently, so the warp scheduler runs one's softmax under the
 # others' matrix products. With two consumers (d 128 and 256) S_j = Q K_j^T is issued
@@ -385,8 +386,8 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
                    HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr, PERSISTENT: gl.constexpr,
                    IS_VARLEN: gl.constexpr,
                    HAS_SEQUSED: gl.constexpr):
-    """Loader partition, tile after tile: both Q halves once both consumers are done with the
-    previous tile's (its last S is computed; its last P V and output run under this copy), then
+    """Loader partition, tile after tile: the Q halves into a Q buffer once every consumer is done
+    with it (its output rows have left through it, or without O_TMA its last S is computed), then
     K_j and V_j into ring slot it % NUM_STAGES once both consumers have freed it (`it` counts K/V
     blocks across tiles). A tile whose rows see no key loads nothing: nobody would wait for it,
     and the program must not end with copies into its shared memory in flight. A packed batch
