@@ -540,10 +540,10 @@ def _fwd_sm90_store_rows(out, Out, b, h, offs_m, q_start, sq_b, stride_ob, strid
 
 @gluon.jit
 def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left,
-                      right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold, dropout_scale, CuSeqQ,
-                      CuSeqK, SeqUsedK, total_q, total_k, Sink, Slopes, stride_slope_b, stride_slope_h,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr,
+                      v_empty, tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq,
+                      sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold,
+                      dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink, Slopes, stride_slope_b,
+                      stride_slope_h, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr,
                       PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                       ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                       HAS_SINK: gl.constexpr,
