@@ -1,6 +1,6 @@
 """Time flashtile's prefill forward and backward from two source trees, alternating, in one run.
 
-    python scripts/ab_prefill.py OLD_SRC NEW_SRC [ROUNDS] [SHAPES]
+    python scripts/ab_prefill.py OLD_SRC NEW_SRC [ROUNDS] [SHAPES] [--forward]
 
 Each tree runs in its own process (PYTHONPATH=TREE) over the same shapes, old, new, old, new, ...,
 so a difference between the trees can be told from the run-to-run spread. The shapes are the
@@ -8,7 +8,8 @@ benchmark's (bf16, 16k tokens, heads x d = 2048, the prefill harness's do_bench 
 JSON line per process: [d, causal, seqlen, fwd TFLOP/s, bwd TFLOP/s] per shape. SHAPES replaces the
 default list: d:causal:seqlen,... (e.g. 128:1:2048,64:0:16384); a fourth field d:causal:seqlen:p
 times the shape with dropout_p = p (TFLOP/s of the same FLOPs, so ratios to p = 0 are time ratios),
-a fifth d:causal:seqlen:p:c with softcap = c.
+a fifth d:causal:seqlen:p:c with softcap = c. --forward times the forward alone (the backward's
+column is then null), in a third of the time.
 """
 
 import json
@@ -19,11 +20,11 @@ import sys
 SHAPES = [(128, True, 512), (128, True, 1024), (64, True, 16384), (64, True, 1024), (128, False, 2048)]
 
 
-def child(tag: str, shapes) -> None:
+def child(tag: str, shapes, forward_only: bool) -> None:
     import torch
 
     import flashtile
-    from flashtile.bench import prefill
+    from flashtile.bench import harness, prefill
 
     rows = []
     for d, causal, s, p, cap in shapes:
@@ -32,24 +33,31 @@ def child(tag: str, shapes) -> None:
 
         b, h = 16384 // s, 2048 // d
         f = prefill.flops(b, h, s, d, causal)
-        fwd, bwd, _, _ = prefill.measure(impl, b, s, h, d, causal, torch.bfloat16)
+        if forward_only:
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            fwd, bwd = harness.bench_ms(lambda: impl(q, k, v, causal)), None
+        else:
+            fwd, bwd, _, _ = prefill.measure(impl, b, s, h, d, causal, torch.bfloat16)
         rows.append((d, causal, s, *([p] if p or cap else []), *([cap] if cap else []), round(f / fwd * 1e-9, 1),
-                     round(2.5 * f / bwd * 1e-9, 1)))
+                     bwd and round(2.5 * f / bwd * 1e-9, 1)))
     print(tag, json.dumps(rows), flush=True)
 
 
 def main() -> None:
-    if sys.argv[1] == "--child":
+    args = [a for a in sys.argv[1:] if a != "--forward"]
+    forward = [] if len(args) == len(sys.argv) - 1 else ["--forward"]
+    if args[0] == "--child":
         shapes = [(int(d), c == "1", int(s), float(extra[0]) if extra else 0.0, float(extra[1]) if extra[1:] else 0.0)
-                  for d, c, s, *extra in (x.split(":") for x in sys.argv[3].split(","))]
-        return child(sys.argv[2], shapes)
-    old, new = sys.argv[1], sys.argv[2]
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    shapes = sys.argv[4] if len(sys.argv) > 4 else ",".join(f"{d}:{int(c)}:{s}" for d, c, s in SHAPES)
+                  for d, c, s, *extra in (x.split(":") for x in args[2].split(","))]
+        return child(args[1], shapes, bool(forward))
+    old, new = args[0], args[1]
+    rounds = int(args[2]) if len(args) > 2 else 2
+    shapes = args[3] if len(args) > 3 else ",".join(f"{d}:{int(c)}:{s}" for d, c, s in SHAPES)
     for r in range(1, rounds + 1):
         for tag, tree in (("old", old), ("new", new)):
             env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), PYTHONUNBUFFERED="1")
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{tag}{r}", shapes], env=env, check=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{tag}{r}", shapes, *forward],
+                           env=env, check=True)
 
 
 if __name__ == "__main__":

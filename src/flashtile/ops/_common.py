@@ -552,6 +552,19 @@ def softcap_scales(qk_scale: float, softcap: float) -> tuple[float, float]:
 
 
 @gluon.jit
+def named_barrier_sm90(barrier, ARRIVE: gl.constexpr):
+    """Hardware named barrier `barrier` of two warpgroups (256 threads): bar.sync, which waits until
+    all 256 have arrived, or with ARRIVE bar.arrive, which counts this warpgroup and goes on. An
+    mbarrier's arrival and wait are shared-memory operations and a polling loop; this is neither."""
+    if ARRIVE:
+        gl.inline_asm_elementwise("bar.arrive $1, 256; mov.b32 $0, 0;", "=r,r", [barrier], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync $1, 256; mov.b32 $0, 0;", "=r,r", [barrier], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def capped_sm90(qk, cap_scale, softcap2):
     """The Hopper kernels' capped scores (log2 domain) of raw products qk, softcap * tanh(x) with
     x = qk * softmax_scale / softcap (scores_log2's, softcap_scales' arguments), and r: tanh(x) =

@@ -35,8 +35,8 @@ from flashtile.ops._launch import Box, cdiv, current_stream, launch
 from flashtile.ops._common import (LN2, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
                                    capped_sm90, dot_precision, dropout_apply_sm90, dropout_keep, dropout_keep_bits_sm90,
                                    dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale,
-                                   load_tile_pair, lse_row_base, page_of, q_block_of, q_block_program, scores_log2,
-                                   seq_bounds, softcap_scales, visible, chunked_order)
+                                   load_tile_pair, lse_row_base, named_barrier_sm90, page_of, q_block_of,
+                                   q_block_program, scores_log2, seq_bounds, softcap_scales, visible, chunked_order)
 
 
 @triton.jit
@@ -297,9 +297,11 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
 # "Packed batches and sinks on the Hopper kernels"). A consumer's output rows go out through its Q
 # buffer of the tile and one TMA store (O_TMA), not 4-byte stores from the accumulator's registers:
 # forward d=128 1k 527-547 -> 564-580 TFLOP/s, 2k 575-584 -> 638-640, causal 1k 367 -> 388 (H200
-# NOTES.md, thirty-eighth session). Measured and left out
-# (benchmarks/results/h100/NOTES.md): forcing the two warpgroups to alternate on the tensor cores
-# (FA3's ping-pong) with a pair of mbarriers was slower here.
+# NOTES.md, thirty-eighth session). At d <= 128 the two consumers issue each block's two products by
+# turns (FA3's ping-pong), on hardware named barriers: d=128 forward 8k / 16k 608-611 -> 634-635,
+# 615-621 -> 632-641 TFLOP/s, causal and 1k-2k level (H200 NOTES.md, thirty-ninth session). The
+# same turns made with a pair of mbarriers had measured slower (benchmarks/results/h100/NOTES.md);
+# for three consumers (d=64) they measured level, and at d=256 FA3 and FA4 go without them.
 # ----------------------------------------------------------------------------------------------
 
 # 12 warps (the two consumer warpgroups and the loader's) share the SM's 64K registers: 168 each
@@ -588,6 +590,14 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     q_loads = 0
     n = 0
     tile = gl.program_id(0)
+    # TURNS: the two consumers issue a block's S and P V products by turns (FA3's warp-scheduler
+    # barriers), each waiting at named barrier TURN_BARRIER + half for the other's pass; the first turn
+    # is the first consumer's. Not at d=256, where FA3 and FA4 leave them out too
+    TURNS: gl.constexpr = CONSUMERS == 2 and BLOCK_D <= 128
+    TURN_BARRIER: gl.constexpr = 8  # Gluon's own named barriers are 0-2
+    if TURNS:
+        if half == 1:
+            named_barrier_sm90(TURN_BARRIER, True)
     # DEFER_PV (two consumers, persistent, dropout): a tile's last P V is issued beside the next
     # tile's first S, whose softmax and Philox calls run under it, and the tile's rows are stored
     # after; pending while `it` > 0, with its operands, output rows and softmax state. Without
@@ -671,9 +681,13 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                     mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+                    if TURNS:  # this warpgroup's turn on the tensor cores
+                        named_barrier_sm90(TURN_BARRIER + half, False)
                     s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                     v = v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D])
                     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                    if TURNS:  # then the other's
+                        named_barrier_sm90(TURN_BARRIER + 1 - half, True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
                                                           sk_b, diag_offset, left, right, qk_scale, softcap, slope,
                                                           seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1,
