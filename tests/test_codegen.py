@@ -71,10 +71,15 @@ def test_hopper_forward_compiles_for_sm90(d, causal):
     forward")); 212 at d=128 since the output leaves through the copy engine (the tile's Q buffer,
     handed back after them, is one more such scalar). Each consumer's output rows go out as one bulk copy from
     its Q buffer (stores from registers, 4 bytes apiece, measured 6-18% of the forward at 1k on the
-    H200: NOTES.md, thirty-eighth session)."""
+    H200: NOTES.md, thirty-eighth session). At d=128 the two consumers take turns on the tensor
+    cores through named barriers of 256 threads: in the PTX one wait and one pass in each
+    consumer's block loop and the second consumer's first pass (3-4% of the forward at 8k-16k on
+    the H200: NOTES.md, thirty-ninth session); d=64 (three consumers) and d=256 have none, which is
+    also what shows that the count can fail."""
     report = memory_ops("forward-sm90", d, *(["--causal"] if causal else []))
     assert report["spill_bytes"] <= 216, report
     assert report["bulk_stores"] >= 1, report
+    assert report["turns"] == ([2, 3] if d == 128 else [0, 0]), report
     assert not report["wgmma_serialised"], report
     assert {24, 160 if d == 64 else 240} <= set(report["setmaxnreg"]), report
     assert report["shared_bytes"] <= 227 * 1024, report
