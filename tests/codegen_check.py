@@ -366,8 +366,8 @@ if __name__ == "__main__":
         report = ptxas_report(compiled)
         # bulk copies from shared memory to global memory (the forward's output rows through the copy engine)
         report["bulk_stores"] = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", compiled.asm["ptx"]))
-        # the forward consumers' turns on the tensor cores (ops._common.named_barrier_sm90): waits, passes
-        report["turns"] = [len(re.findall(r"bar\.sync\s+\S+,\s*256;", compiled.asm["ptx"])),
+        # hardware named barriers of the two consumers (ops._common.named_barrier_sm90): waits, passes
+        report["named_barriers"] = [len(re.findall(r"bar\.sync\s+\S+,\s*256;", compiled.asm["ptx"])),
                            len(re.findall(r"bar\.arrive\s+\S+,\s*256;", compiled.asm["ptx"]))]
         if "--deterministic" in argv:  # the dQ writer's acquire poll, release count and full bulk wait
             ptx = compiled.asm["ptx"]

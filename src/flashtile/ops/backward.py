@@ -45,8 +45,8 @@ from flashtile.ops._common import (LOG2E, alibi_fits_sm90, alibi_sm90, alibi_str
                                    cap_derivative_sm90, capped_sm90, dot_precision, dq_order, dq_turn, dropout_keep,
                                    dropout_keep_bits_sm90, dropout_keep_sm90, dropout_seed, dropout_sign_sm90,
                                    dropout_words_sm90, head_chunked_order, head_dim_mask, in_window, kernel_scale,
-                                   key_block_program, load_tile_pair, lse_row_base, relu_to_sm90, scores_log2,
-                                   seq_bounds, softcap_scales, visible)
+                                   key_block_program, load_tile_pair, lse_row_base, named_barrier_sm90, relu_to_sm90,
+                                   scores_log2, seq_bounds, softcap_scales, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
@@ -759,7 +759,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                     HAS_DROPOUT, HAS_ALIBI, DETERMINISTIC)
         if DEFER_DQ:
             last = n_steps - 1
-            dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero), ))
+            dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero,
+                                                                  True), ))
             _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, last, tb, q0 + lo + (last % n_m) * BLOCK_M,
                              hk * group + last // n_m, half, DETERMINISTIC)
     tma.store_wait(0)
@@ -823,7 +824,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     phase = (i // NUM_STAGES) & 1
     start_m = lo + (i % n_m) * BLOCK_M
     if HAS_PREV:
-        dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero)
+        dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero, DEFER_DQ)
     mbarrier.wait(q_ready.index(stage), phase)
     q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
     k = k_bufs.index(half).reshape([HALF_N, BLOCK_D])
@@ -874,28 +875,51 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     ds_op = gl.convert_layout(ds_t, op_layout)
     dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
     # dS^T buffers alternate: a step's are overwritten two steps later, once both warpgroups have
-    # passed the next step's ds_ready, i.e. waited for this step's dQ product
+    # passed the next step's exchange (ds_ready), i.e. waited for this step's dQ product
     ds_bufs.index(2 * (i & 1) + half).store(ds_t)
     fence_async_shared()
-    mbarrier.arrive(ds_ready.index(i & 1), count=1)
+    _bwd_sm90_ds_stored(ds_ready, i, half, DEFER_DQ)
     dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
     mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
     if not DEFER_DQ:
-        dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero), ))
+        dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero, False), ))
         _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, q0 + start_m, hk * group + i // n_m, half,
                          DETERMINISTIC)
     return dk, dv
 
 
+# named barriers of _bwd_sm90_ds_stored: DS_BARRIER + 2 x step parity + warpgroup (Gluon's own are 0-2)
+DS_BARRIER = gl.constexpr(8)
+
+
 @gluon.jit
-def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero):
+def _bwd_sm90_ds_stored(ds_ready, i, half, NAMED: gl.constexpr):
+    """A consumer's dS^T of step i is in shared memory (fenced): tell the other warpgroup, whose dQ
+    product reads it (_bwd_sm90_dq_product waits). By ds_ready's mbarrier of the step's parity, or
+    with NAMED by passing hardware named barrier DS_BARRIER + 2 x parity + half (bar.arrive), at
+    which the other waits (bar.sync): one barrier per parity and warpgroup, so a warpgroup's next
+    pass on one comes after the other's wait there (it needs the other's pass of the step between).
+    NAMED where the dQ product waits until the next step (DEFER_DQ): backward TFLOP/s at d=64 2k /
+    8k 411 / 411 -> 415 / 420, 455 / 451 -> 473 / 472, causal 8k level; at d=128, where each step
+    ends with its dQ product, 3% slower (H200 NOTES.md, thirty-ninth session)."""
+    if NAMED:
+        named_barrier_sm90(DS_BARRIER + 2 * (i & 1) + half, True)
+    else:
+        mbarrier.arrive(ds_ready.index(i & 1), count=1)
+
+
+@gluon.jit
+def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero, NAMED: gl.constexpr):
     """Step i's dQ rows in this warpgroup's half of the columns: dS (both warpgroups' keys, once
-    the other's dS^T is in shared memory) times K; asynchronous."""
+    the other's dS^T is in shared memory: _bwd_sm90_ds_stored) times K; asynchronous."""
     HALF_N: gl.constexpr = k_bufs.shape[2]
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
     HALF_D: gl.constexpr = BLOCK_D // 2
     par = i & 1
-    mbarrier.wait(ds_ready.index(par), (i >> 1) & 1)
+    if NAMED:
+        named_barrier_sm90(DS_BARRIER + 2 * par + 1 - half, False)
+    else:
+        mbarrier.wait(ds_ready.index(par), (i >> 1) & 1)
     tok = warpgroup_mma(ds_bufs.index(2 * par).permute((1, 0)),
                         k_bufs.index(0).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
                         dq_zero, use_acc=False, is_async=True)
