@@ -558,13 +558,15 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # of NUM_STAGES buffers with TMA. Two consumer warpgroups take 64
 # keys each and work in the transposed orientation, so P^T and dS^T are register operands of the
 # dV and dK products (FA2's 4 matrix products per block pair, all wgmma). The fifth, dQ += dS K,
-# needs every key of the block: both warpgroups leave dS^T in shared memory, each multiplies it
-# by its half of K's columns and hands its half of the dQ tile to a one-warp writer, which adds
-# both halves into an fp32 buffer by TMA's reduce-add (cp.reduce.async.bulk); ops.backward scales
+# needs every key of the block: both warpgroups leave dS^T in shared memory and tell each other
+# (an mbarrier; at d=64, whose dQ product waits until the next step, named barriers:
+# _bwd_sm90_ds_stored), each multiplies both by its half of K's columns and adds its half of the
+# dQ tile into an fp32 buffer by TMA's reduce-add (cp.reduce.async.bulk); ops.backward scales
 # and casts it at the end. 5 products per block pair instead of the Triton path's 7. The additions
-# come in whatever order the programs reach a Q block, unless deterministic=True: then each
-# (Q block, query head) has a counter that admits the key blocks one by one in a fixed order
-# (dq_order), FlashAttention-3's scheme, and only the writer waits for it.
+# come in whatever order the programs reach a Q block, unless deterministic=True: then the
+# warpgroups hand their halves to a one-warp writer, and each (Q block, query head) has a counter
+# that admits the key blocks one by one in a fixed order (dq_order), FlashAttention-3's scheme;
+# only the writer waits for it.
 #
 # Packed batches (IS_VARLEN, as the Triton programs): a program finds its sequence in cu_seqlens,
 # the copies address the packed tensors as one sequence of all the rows, and dK / dV leave through
