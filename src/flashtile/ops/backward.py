@@ -890,7 +890,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     return dk, dv
 
 
-# named barriers of _bwd_sm90_ds_stored: DS_BARRIER + 2 x step parity + warpgroup (Gluon's own are 0-2)
+# named barriers of _bwd_sm90_ds_stored: DS_BARRIER + 2 x step parity + warpgroup (Gluon's own are 0-3)
 DS_BARRIER = gl.constexpr(8)
 
 
@@ -901,7 +901,8 @@ def _bwd_sm90_ds_stored(ds_ready, i, half, NAMED: gl.constexpr):
     with NAMED by passing hardware named barrier DS_BARRIER + 2 x parity + half (bar.arrive), at
     which the other waits (bar.sync): one barrier per parity and warpgroup, so a warpgroup's next
     pass on one comes after the other's wait there (it needs the other's pass of the step between).
-    NAMED where the dQ product waits until the next step (DEFER_DQ): backward TFLOP/s at d=64 2k /
+    Both consumers take the same n_steps, so each pass has its wait. NAMED where the dQ product
+    waits until the next step (DEFER_DQ): backward TFLOP/s at d=64 2k /
     8k 411 / 411 -> 415 / 420, 455 / 451 -> 473 / 472, causal 8k level; at d=128, where each step
     ends with its dQ product, 3% slower (H200 NOTES.md, thirty-ninth session)."""
     if NAMED:

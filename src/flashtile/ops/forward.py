@@ -592,9 +592,11 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     tile = gl.program_id(0)
     # TURNS: the two consumers issue a block's S and P V products by turns (FA3's warp-scheduler
     # barriers), each waiting at named barrier TURN_BARRIER + half for the other's pass; the first turn
-    # is the first consumer's. Not at d=256, where FA3 and FA4 leave them out too
+    # is the first consumer's. The waits and passes pair up because both consumers walk the same
+    # tiles with the same n_blocks (one turn each a block past the first). Not at d=256, where FA3
+    # and FA4 leave them out too
     TURNS: gl.constexpr = CONSUMERS == 2 and BLOCK_D <= 128
-    TURN_BARRIER: gl.constexpr = 8  # Gluon's own named barriers are 0-2
+    TURN_BARRIER: gl.constexpr = 8  # Gluon's own: 0 and 2 + worker (3 with three consumers), 1 the CTA's
     if TURNS:
         if half == 1:
             named_barrier_sm90(TURN_BARRIER, True)
