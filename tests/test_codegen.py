@@ -103,7 +103,8 @@ def test_hopper_backward_compiles_for_sm90(d, causal):
     once per step around the exponentials: 128-row blocks with them measured 2-9% faster than
     64-row blocks without (NOTES.md "Hopper backward: 128-row blocks at d=64"). At d=64, whose dQ
     product waits until the next step, the consumers hand each other their dS^T through named
-    barriers (a pass after the store, a wait before the product: as many of each), elsewhere through
+    barriers (a pass after the store, a wait before the product: as many of each; not with ALiBi,
+    which spills more with them), elsewhere through
     ds_ready's mbarriers (named barriers measured 3% slower at d=128: H200 NOTES.md, thirty-ninth
     session)."""
     report = memory_ops("backward-sm90", d, *(["--causal"] if causal else []))

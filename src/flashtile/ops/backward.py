@@ -762,7 +762,7 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         if DEFER_DQ:
             last = n_steps - 1
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero,
-                                                                  True), ))
+                                                                  not HAS_ALIBI), ))
             _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, last, tb, q0 + lo + (last % n_m) * BLOCK_M,
                              hk * group + last // n_m, half, DETERMINISTIC)
     tma.store_wait(0)
@@ -826,7 +826,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     phase = (i // NUM_STAGES) & 1
     start_m = lo + (i % n_m) * BLOCK_M
     if HAS_PREV:
-        dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero, DEFER_DQ)
+        dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero, DEFER_DQ and not HAS_ALIBI)
     mbarrier.wait(q_ready.index(stage), phase)
     q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
     k = k_bufs.index(half).reshape([HALF_N, BLOCK_D])
@@ -880,7 +880,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     # passed the next step's exchange (ds_ready), i.e. waited for this step's dQ product
     ds_bufs.index(2 * (i & 1) + half).store(ds_t)
     fence_async_shared()
-    _bwd_sm90_ds_stored(ds_ready, i, half, DEFER_DQ)
+    _bwd_sm90_ds_stored(ds_ready, i, half, DEFER_DQ and not HAS_ALIBI)
     dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
     mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
     if not DEFER_DQ:
@@ -902,9 +902,10 @@ def _bwd_sm90_ds_stored(ds_ready, i, half, NAMED: gl.constexpr):
     which the other waits (bar.sync): one barrier per parity and warpgroup, so a warpgroup's next
     pass on one comes after the other's wait there (it needs the other's pass of the step between).
     Both consumers take the same n_steps, so each pass has its wait. NAMED where the dQ product
-    waits until the next step (DEFER_DQ): backward TFLOP/s at d=64 2k /
-    8k 411 / 411 -> 415 / 420, 455 / 451 -> 473 / 472, causal 8k level; at d=128, where each step
-    ends with its dQ product, 3% slower (H200 NOTES.md, thirty-ninth session)."""
+    waits until the next step (DEFER_DQ): backward TFLOP/s at d=64 2k / 8k 411 / 411 -> 415 / 420,
+    455 / 451 -> 473 / 472, causal 8k level; at d=128, where each step ends with its dQ product,
+    3% slower (H200 NOTES.md, thirty-ninth session). Not with ALiBi, whose d=64 steps spill 32-36
+    bytes more with it (528 causal) and were not timed so."""
     if NAMED:
         named_barrier_sm90(DS_BARRIER + 2 * (i & 1) + half, True)
     else:
