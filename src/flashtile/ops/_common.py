@@ -551,6 +551,11 @@ def softcap_scales(qk_scale: float, softcap: float) -> tuple[float, float]:
     return 2.0 * LOG2E.value * qk_scale, softcap * LOG2E.value
 
 
+# the first named barrier the Hopper kernels may take for their own: Gluon's are 0 (the default
+# partition's warpgroup), 1 (the CTA's) and 2 + worker partition (2, or 2-3 with three consumers)
+FIRST_FREE_BARRIER = gl.constexpr(8)
+
+
 @gluon.jit
 def named_barrier_sm90(barrier, ARRIVE: gl.constexpr):
     """Hardware named barrier `barrier` of two warpgroups (256 threads): bar.sync, which waits until

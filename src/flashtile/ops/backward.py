@@ -41,12 +41,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, cdiv, launch
-from flashtile.ops._common import (LOG2E, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
-                                   cap_derivative_sm90, capped_sm90, dot_precision, dq_order, dq_turn, dropout_keep,
-                                   dropout_keep_bits_sm90, dropout_keep_sm90, dropout_seed, dropout_sign_sm90,
-                                   dropout_words_sm90, head_chunked_order, head_dim_mask, in_window, kernel_scale,
-                                   key_block_program, load_tile_pair, lse_row_base, named_barrier_sm90, relu_to_sm90,
-                                   scores_log2, seq_bounds, softcap_scales, visible)
+from flashtile.ops._common import (FIRST_FREE_BARRIER, LOG2E, alibi_fits_sm90, alibi_sm90, alibi_strides,
+                                   alibi_unit_sm90, block_range, cap_derivative_sm90, capped_sm90, dot_precision,
+                                   dq_order, dq_turn, dropout_keep, dropout_keep_bits_sm90, dropout_keep_sm90,
+                                   dropout_seed, dropout_sign_sm90, dropout_words_sm90, head_chunked_order,
+                                   head_dim_mask, in_window, kernel_scale, key_block_program, load_tile_pair,
+                                   lse_row_base, named_barrier_sm90, relu_to_sm90, scores_log2, seq_bounds,
+                                   softcap_scales, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
                                    dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
 
@@ -825,8 +826,9 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     stage = i % NUM_STAGES
     phase = (i // NUM_STAGES) & 1
     start_m = lo + (i % n_m) * BLOCK_M
+    NAMED_DS: gl.constexpr = DEFER_DQ and not HAS_ALIBI  # dS^T handed over on named barriers (_bwd_sm90_ds_stored)
     if HAS_PREV:
-        dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero, DEFER_DQ and not HAS_ALIBI)
+        dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero, NAMED_DS)
     mbarrier.wait(q_ready.index(stage), phase)
     q = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
     k = k_bufs.index(half).reshape([HALF_N, BLOCK_D])
@@ -880,7 +882,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     # passed the next step's exchange (ds_ready), i.e. waited for this step's dQ product
     ds_bufs.index(2 * (i & 1) + half).store(ds_t)
     fence_async_shared()
-    _bwd_sm90_ds_stored(ds_ready, i, half, DEFER_DQ and not HAS_ALIBI)
+    _bwd_sm90_ds_stored(ds_ready, i, half, NAMED_DS)
     dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
     mbarrier.arrive(empty.index(stage), count=1)  # Q, dO and the row stats of this step are read
     if not DEFER_DQ:
@@ -890,8 +892,8 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     return dk, dv
 
 
-# named barriers of _bwd_sm90_ds_stored: DS_BARRIER + 2 x step parity + warpgroup (Gluon's own are 0-3)
-DS_BARRIER = gl.constexpr(8)
+# named barriers of _bwd_sm90_ds_stored: DS_BARRIER + 2 x step parity + warpgroup
+DS_BARRIER = FIRST_FREE_BARRIER
 
 
 @gluon.jit

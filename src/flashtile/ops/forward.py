@@ -32,11 +32,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile import _checks
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, cdiv, current_stream, launch
-from flashtile.ops._common import (LN2, alibi_fits_sm90, alibi_sm90, alibi_strides, alibi_unit_sm90, block_range,
-                                   capped_sm90, dot_precision, dropout_apply_sm90, dropout_keep, dropout_keep_bits_sm90,
-                                   dropout_seed, dropout_words_sm90, fold_sink, head_dim_mask, kernel_scale,
-                                   load_tile_pair, lse_row_base, named_barrier_sm90, page_of, q_block_of,
-                                   q_block_program, scores_log2, seq_bounds, softcap_scales, visible, chunked_order)
+from flashtile.ops._common import (FIRST_FREE_BARRIER, LN2, alibi_fits_sm90, alibi_sm90, alibi_strides,
+                                   alibi_unit_sm90, block_range, capped_sm90, dot_precision, dropout_apply_sm90,
+                                   dropout_keep, dropout_keep_bits_sm90, dropout_seed, dropout_words_sm90, fold_sink,
+                                   head_dim_mask, kernel_scale, load_tile_pair, lse_row_base, named_barrier_sm90,
+                                   page_of, q_block_of, q_block_program, scores_log2, seq_bounds, softcap_scales,
+                                   visible, chunked_order)
 
 
 @triton.jit
@@ -596,7 +597,7 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     # tiles with the same n_blocks (one turn each a block past the first). Not at d=256, where FA3
     # and FA4 leave them out too
     TURNS: gl.constexpr = CONSUMERS == 2 and BLOCK_D <= 128
-    TURN_BARRIER: gl.constexpr = 8  # Gluon's own: 0 and 2 + worker (3 with three consumers), 1 the CTA's
+    TURN_BARRIER: gl.constexpr = FIRST_FREE_BARRIER
     if TURNS:
         if half == 1:
             named_barrier_sm90(TURN_BARRIER, True)
