@@ -8,8 +8,9 @@ benchmark's (bf16, 16k tokens, heads x d = 2048, the prefill harness's do_bench 
 JSON line per process: [d, causal, seqlen, fwd TFLOP/s, bwd TFLOP/s] per shape. SHAPES replaces the
 default list: d:causal:seqlen,... (e.g. 128:1:2048,64:0:16384); a fourth field d:causal:seqlen:p
 times the shape with dropout_p = p (TFLOP/s of the same FLOPs, so ratios to p = 0 are time ratios),
-a fifth d:causal:seqlen:p:c with softcap = c. --forward times the forward alone (the backward's
-column is then null), in a third of the time.
+a fifth d:causal:seqlen:p:c with softcap = c, a sixth d:causal:seqlen:p:c:flags with flags from
+"d" (deterministic=True) and "a" (ALiBi, slopes 2^(-8 i / heads), i = 1 .. heads). --forward times
+the forward alone (the backward's column is then null), in a third of the time.
 """
 
 import json
@@ -27,18 +28,22 @@ def child(tag: str, shapes, forward_only: bool) -> None:
     from flashtile.bench import harness, prefill
 
     rows = []
-    for d, causal, s, p, cap in shapes:
-        def impl(q, k, v, causal, p=p, cap=cap):
-            return flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=causal, softcap=cap)
-
+    for d, causal, s, p, cap, flags in shapes:
         b, h = 16384 // s, 2048 // d
+        slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda") / h) if "a" in flags else None
+
+        def impl(q, k, v, causal, p=p, cap=cap, slopes=slopes, det="d" in flags):
+            return flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=causal, softcap=cap, alibi_slopes=slopes,
+                                             deterministic=det)
+
         f = prefill.flops(b, h, s, d, causal)
         if forward_only:
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             fwd, bwd = harness.bench_ms(lambda: impl(q, k, v, causal)), None
         else:
             fwd, bwd, _, _ = prefill.measure(impl, b, s, h, d, causal, torch.bfloat16)
-        rows.append((d, causal, s, *([p] if p or cap else []), *([cap] if cap else []), round(f / fwd * 1e-9, 1),
+        rows.append((d, causal, s, *([p] if p or cap or flags else []), *([cap] if cap or flags else []),
+                     *([flags] if flags else []), round(f / fwd * 1e-9, 1),
                      bwd and round(2.5 * f / bwd * 1e-9, 1)))
     print(tag, json.dumps(rows), flush=True)
 
@@ -47,8 +52,8 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--forward"]
     forward = [] if len(args) == len(sys.argv) - 1 else ["--forward"]
     if args[0] == "--child":
-        shapes = [(int(d), c == "1", int(s), float(extra[0]) if extra else 0.0, float(extra[1]) if extra[1:] else 0.0)
-                  for d, c, s, *extra in (x.split(":") for x in args[2].split(","))]
+        shapes = [(int(d), c == "1", int(s), float(extra[0]) if extra else 0.0, float(extra[1]) if extra[1:] else 0.0,
+                   extra[2] if extra[2:] else "") for d, c, s, *extra in (x.split(":") for x in args[2].split(","))]
         return child(args[1], shapes, bool(forward))
     old, new = args[0], args[1]
     rounds = int(args[2]) if len(args) > 2 else 2

@@ -172,7 +172,11 @@ def test_backward_dispatch(sm90, monkeypatch):
                     == configs.hopper_backward_tiles(d, softcap=True))
     # the cap's derivative beside a 128-row S^T would spill: d=64 takes 64-row blocks with softcap
     assert configs.hopper_backward_tiles(64).block_m == 128 and configs.hopper_backward_tiles(64, softcap=True).block_m == 64
-    assert configs.hopper_backward_defer_dq(64) and not configs.hopper_backward_defer_dq(128)
+    # the dQ product deferred to the next step: d=64 always; d=128 without a right bound, any-order dQ
+    assert all(configs.hopper_backward_defer_dq(64, right, det) for right in (False, True) for det in (False, True))
+    assert configs.hopper_backward_defer_dq(128, False, False)
+    assert not any(configs.hopper_backward_defer_dq(128, right, det) for right, det in ((True, False), (False, True)))
+    assert not configs.hopper_backward_defer_dq(256, False, False)
     assert configs.hopper_backward_split_d(256) and not configs.hopper_backward_split_d(128)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
     for d, dp in ((96, 128), (192, 256), (40, 64)):  # computed at the next of 64 / 128 / 256

@@ -905,8 +905,8 @@ def _bwd_sm90_ds_stored(ds_ready, i, half, NAMED: gl.constexpr):
     pass on one comes after the other's wait there (it needs the other's pass of the step between).
     Both consumers take the same n_steps, so each pass has its wait. NAMED where the dQ product
     waits until the next step (DEFER_DQ): backward TFLOP/s at d=64 2k / 8k 411 / 411 -> 415 / 420,
-    455 / 451 -> 473 / 472, causal 8k level; at d=128, where each step ends with its dQ product,
-    3% slower (H200 NOTES.md, thirty-ninth session). Not with ALiBi, whose d=64 steps spill 32-36
+    455 / 451 -> 473 / 472, causal 8k level; at d=128 where each step ends with its dQ product
+    (configs.hopper_backward_defer_dq), 3% slower (H200 NOTES.md, thirty-ninth session). Not with ALiBi, whose d=64 steps spill 32-36
     bytes more with it (528 causal) and were not timed so."""
     if NAMED:
         named_barrier_sm90(DS_BARRIER + 2 * (i & 1) + half, True)
@@ -1285,7 +1285,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
            (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale * ds_unit, threshold,
             dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
-           NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(dp),
+           NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(dp, right is not None, deterministic),
            SPLIT_D=split, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
            IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None,
            HEAD_CHUNK=chunk, HEAD_DIM=d, DETERMINISTIC=deterministic)

@@ -263,14 +263,20 @@ def hopper_backward_split_d(d: int) -> bool:
     return d == 256
 
 
-def hopper_backward_defer_dq(d: int) -> bool:
+def hopper_backward_defer_dq(d: int, right_bounded: bool, deterministic: bool) -> bool:
     """Whether the Hopper backward issues a step's dQ product at the start of the next step, ahead
     of its S^T, so the dQ tile's way out through shared memory runs under S^T (else each step ends
-    with its dQ). Backward TFLOP/s against ending each step with its dQ, alternating
-    (ab_bwd_defer_dq.txt): d=64 1.03-1.05x at 1k-16k, causal 1.00-1.03x (three rounds); d=128
-    0.96-1.00x (two rounds), where the dQ tile's 32 registers beside S^T, dK and dV spill 44 / 160
-    bytes non-causal / causal."""
-    return d == 64
+    with its dQ). right_bounded: the keys have a right bound (a causal mask, a window's right side);
+    deterministic: dQ leaves through the writer partition. Backward TFLOP/s against ending each
+    step with its dQ, alternating: d=64 1.03-1.05x at 1k-16k, causal 1.00-1.03x (ab_bwd_defer_dq.txt,
+    three rounds). d=128, where the deferred form hands dS^T over on named barriers
+    (_bwd_sm90_ds_stored), on the H200, two rounds each (ab_bwd_defer_dq128.txt,
+    ab_bwd_defer_dq128_noncausal.txt): 1k / 8k / 16k 421 / 426 -> 434 / 436, 537 / 541 -> 549 /
+    548, 552 / 549 -> 560 / 558; causal 1k / 2k / 8k 307 / 307 -> 306 / 306, 408 / 400 -> 399 /
+    400, 523 / 509 -> 512 / 511; deterministic 8k 536 / 533 -> 525 / 518 (2k level); at 4k level
+    with dropout 0.1 and ALiBi, 1.01x with softcap. So d=128 without a right bound and not
+    deterministic (its dQ tile's 32 registers beside S^T, dK and dV spill 40 bytes where 8 were)."""
+    return d == 64 or (d == 128 and not right_bounded and not deterministic)
 
 
 @functools.lru_cache(maxsize=1024)
