@@ -177,7 +177,8 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     kernel = backward._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
-                 DEFER_DQ=configs.hopper_backward_defer_dq(d, causal, deterministic), SPLIT_D=configs.hopper_backward_split_d(d),
+                 DEFER_DQ=configs.hopper_backward_defer_dq(d, causal, deterministic),
+                 SPLIT_D=configs.hopper_backward_split_d(d),
                  HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap,
                  HAS_ALIBI=alibi, HEAD_CHUNK=head_chunk, HEAD_DIM=head_dim, DETERMINISTIC=deterministic)
     if not deterministic:

@@ -560,8 +560,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
 # keys each and work in the transposed orientation, so P^T and dS^T are register operands of the
 # dV and dK products (FA2's 4 matrix products per block pair, all wgmma). The fifth, dQ += dS K,
 # needs every key of the block: both warpgroups leave dS^T in shared memory and tell each other
-# (an mbarrier; at d=64, whose dQ product waits until the next step, named barriers:
-# _bwd_sm90_ds_stored), each multiplies both by its half of K's columns and adds its half of the
+# (an mbarrier; named barriers where the dQ product waits until the next step, d=64 and d=128
+# without a right bound: _bwd_sm90_ds_stored), each multiplies both by its half of K's columns and adds its half of the
 # dQ tile into an fp32 buffer by TMA's reduce-add (cp.reduce.async.bulk); ops.backward scales
 # and casts it at the end. 5 products per block pair instead of the Triton path's 7. The additions
 # come in whatever order the programs reach a Q block, unless deterministic=True: then the
@@ -762,8 +762,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                     HAS_DROPOUT, HAS_ALIBI, DETERMINISTIC)
         if DEFER_DQ:
             last = n_steps - 1
+            NAMED_DS: gl.constexpr = not HAS_ALIBI  # _bwd_sm90_step's, DEFER_DQ being set here
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero,
-                                                                  not HAS_ALIBI), ))
+                                                                  NAMED_DS), ))
             _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, last, tb, q0 + lo + (last % n_m) * BLOCK_M,
                              hk * group + last // n_m, half, DETERMINISTIC)
     tma.store_wait(0)
@@ -906,8 +907,8 @@ def _bwd_sm90_ds_stored(ds_ready, i, half, NAMED: gl.constexpr):
     Both consumers take the same n_steps, so each pass has its wait. NAMED where the dQ product
     waits until the next step (DEFER_DQ): backward TFLOP/s at d=64 2k / 8k 411 / 411 -> 415 / 420,
     455 / 451 -> 473 / 472, causal 8k level; at d=128 where each step ends with its dQ product
-    (configs.hopper_backward_defer_dq), 3% slower (H200 NOTES.md, thirty-ninth session). Not with ALiBi, whose d=64 steps spill 32-36
-    bytes more with it (528 causal) and were not timed so."""
+    (configs.hopper_backward_defer_dq), 3% slower (H200 NOTES.md, thirty-ninth session). Not with
+    ALiBi, whose d=64 steps spill 32-36 bytes more with it (528 causal) and were not timed so."""
     if NAMED:
         named_barrier_sm90(DS_BARRIER + 2 * (i & 1) + half, True)
     else:
