@@ -189,7 +189,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
         const["Rng"] = None
     if not varlen:
         const.update(CuSeqQ=None, CuSeqK=None, DK=None, DV=None)
-    boxes = backward.sm90_boxes(cfg, d)
+    boxes = backward.sm90_boxes(cfg, d, configs.hopper_backward_dq_by_rows(cfg.block_m, causal, deterministic))
     signature = {}
     for n in names:
         if n in const:

@@ -127,8 +127,8 @@ def test_hopper_backward_compiles_deterministic(d, causal):
     the 240 registers and asynchronous wgmmas, and the handoff's barriers fit the shared memory.
     Compiled in the launch order it takes (configs.hopper_backward_head_chunk's ordered: chunks of
     rows without a right bound, and at d=128 causal), whose chunks' index arithmetic spills 40 bytes
-    at d=128 non-causal (12 one row at a time; the any-order kernel 8), 20 causal; d=64 144 / 184
-    in either order (the any-order kernel's 136 / 148)."""
+    at d=128 non-causal (12 one row at a time; the any-order kernel 8), 20 causal; d=64 192 / 176
+    with its dQ split by rows (configs.hopper_backward_dq_by_rows; 144 / 184 by columns)."""
     report = memory_ops("backward-sm90", d, "--deterministic", *(["--causal"] if causal else []))
     assert report["ordered"] == [1, 1, 1], report
     assert report["spill_bytes"] <= {64: 208, 128: 40}[d], report
@@ -172,7 +172,7 @@ def consumer_regs(kernel: str, d: int) -> int:
 # spill bounds of the score modifiers' tests below, by kernel and head dim
 MODIFIER_SPILLS = {
     "--softcap": {"forward-sm90": {64: 44, 128: 208, 256: 24}, "backward-sm90": {64: 0, 128: 560, 256: 16}},
-    "--alibi": {"forward-sm90": {64: 136, 128: 256, 256: 24}, "backward-sm90": {64: 496, 128: 448, 256: 68}},
+    "--alibi": {"forward-sm90": {64: 136, 128: 256, 256: 24}, "backward-sm90": {64: 528, 128: 448, 256: 68}},
 }
 
 
@@ -192,8 +192,9 @@ def test_hopper_kernels_compile_with_score_modifiers(modifier, kernel, d):
     exponentials to dV's operand, beside dK, dV and the dP^T in flight), none at d=64, whose
     softcap steps take 64-row Q blocks (1512 bytes with 128 rows). ALiBi: the forward within 256
     bytes (216 at d=128 with dropout; 20 at d=256 and 132 at d=64 with dropout, which carries P in
-    bf16), the backward up to 496 at d=64, whose 128-row Q blocks measured
-    1.08x the 64-row ones (level causal) in spite of them, and 448 at d=128 capped and causal
+    bf16), the backward up to 528 at d=64 causal (496 before its dQ was split by rows,
+    configs.hopper_backward_dq_by_rows), whose 128-row Q blocks measured 1.08x the 64-row ones
+    (level causal) in spite of them, and 448 at d=128 capped and causal
     (432 before the head-chunked launch order)."""
     extras = [[], ["--causal"], ["--causal", "--dropout"], ["--causal", "--varlen"]]
     for extra in extras + ([["--causal", "--softcap"]] if modifier == "--alibi" else []):

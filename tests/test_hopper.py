@@ -177,6 +177,9 @@ def test_backward_dispatch(sm90, monkeypatch):
     assert configs.hopper_backward_defer_dq(128, False, False)
     assert not any(configs.hopper_backward_defer_dq(128, right, det) for right, det in ((True, False), (False, True)))
     assert not configs.hopper_backward_defer_dq(256, False, False)
+    # dQ split between the consumers by rows: 128-row Q blocks with a right bound or ordered additions
+    assert all(configs.hopper_backward_dq_by_rows(128, right, det) for right, det in ((True, False), (False, True)))
+    assert not configs.hopper_backward_dq_by_rows(128, False, False) and not configs.hopper_backward_dq_by_rows(64, True, True)
     assert configs.hopper_backward_split_d(256) and not configs.hopper_backward_split_d(128)
     assert configs.hopper_backward_config(128, bf16, CUDA, seqlen_q=127) is None
     for d, dp in ((96, 128), (192, 256), (40, 64)):  # computed at the next of 64 / 128 / 256

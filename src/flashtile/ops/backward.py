@@ -616,15 +616,15 @@ def _dq_counted(counter):
 
 @gluon.jit
 def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads, rows_pad,
-                       start_n, lo, n_m, sq, sk, left, right, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                       HAS_RIGHT: gl.constexpr):
+                       start_n, lo, n_m, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """dQ writer partition (DETERMINISTIC, not with SPLIT_D): step by step (the consumers' order) it
     waits for the step's Q block to have had every earlier addition (dq_turn, on its counter in
     Turns: one per Q block of rows_pad and query head, b the sequence or batch), then for both
-    consumers' halves of the dQ tile, reduces them into the fp32 dQ at (tb, q0 + rows) by TMA (as
+    consumers' parts of the dQ tile, reduces them into the fp32 dQ at (tb, q0 + rows) by TMA (as
     _bwd_sm90_dq_out's), hands the buffers back once read and counts its addition once complete."""
-    BLOCK_M: gl.constexpr = dq_desc.block_type.shape[1]
-    HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1]
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     a, c = dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
     m_blocks = rows_pad // BLOCK_M
     for i in range(group * n_m):
@@ -634,7 +634,10 @@ def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk
         _dq_wait_turn(counter, dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
         for half in gl.static_range(2):
             mbarrier.wait(dq_full.index(half), i & 1)
-            _tma_reduce_add(dq_desc, [tb, q0 + start_m, h, half * HALF_D], dq_bufs.index(half))
+            if DQ_ROWS < BLOCK_M:  # _bwd_sm90_dq_out's parts
+                _tma_reduce_add(dq_desc, [tb, q0 + start_m + half * DQ_ROWS, h, 0], dq_bufs.index(half))
+            else:
+                _tma_reduce_add(dq_desc, [tb, q0 + start_m, h, half * DQ_COLS], dq_bufs.index(half))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(0), count=1)
         mbarrier.arrive(dq_empty.index(1), count=1)
@@ -710,13 +713,14 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, OWN_D, 16])
-    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]  # a dQ product's columns: half, or with SPLIT_D a quarter
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1]  # a dQ product's rows and columns (sm90_boxes)
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, DQ_COLS, 16])
     key0 = start_n if SPLIT_D else start_n + half * HALF_N
     offs_n = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the layouts
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
     dk = gl.zeros([HALF_N, OWN_D], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, OWN_D], gl.float32, kv_layout)
     n_steps = group * n_m
@@ -766,7 +770,7 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero,
                                                                   NAMED_DS), ))
             _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, last, tb, q0 + lo + (last % n_m) * BLOCK_M,
-                             hk * group + last // n_m, half, DETERMINISTIC)
+                             hk * group + last // n_m, half, BLOCK_M, DETERMINISTIC)
     tma.store_wait(0)
     # both warpgroups read all of K: wait for the other's last dQ product, then the K and V buffers
     # take dK and dV on their way out (rows past sk are clipped): this warpgroup's key half of them,
@@ -837,7 +841,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     if HAS_PREV:  # step i-1's dQ leaves while S^T runs
         dq = warpgroup_mma_wait(1, deps=(dq_tok, ))
         _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i - 1, tb, q0 + lo + ((i - 1) % n_m) * BLOCK_M,
-                         hk * group + (i - 1) // n_m, half, DETERMINISTIC)
+                         hk * group + (i - 1) // n_m, half, BLOCK_M, DETERMINISTIC)
     mbarrier.wait(do_ready.index(stage), phase)
     do = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
     v = v_bufs.index(half).reshape([HALF_N, BLOCK_D])
@@ -889,7 +893,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     if not DEFER_DQ:
         dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero, False), ))
         _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, q0 + start_m, hk * group + i // n_m, half,
-                         DETERMINISTIC)
+                         BLOCK_M, DETERMINISTIC)
     return dk, dv
 
 
@@ -917,22 +921,32 @@ def _bwd_sm90_ds_stored(ds_ready, i, half, NAMED: gl.constexpr):
 
 @gluon.jit
 def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero, NAMED: gl.constexpr):
-    """Step i's dQ rows in this warpgroup's half of the columns: dS (both warpgroups' keys, once
-    the other's dS^T is in shared memory: _bwd_sm90_ds_stored) times K; asynchronous."""
+    """This warpgroup's part of step i's dQ: dS (both warpgroups' keys, once the other's dS^T is
+    in shared memory: _bwd_sm90_ds_stored) times K; asynchronous. With 128-row Q blocks its 64
+    rows (half) in every column, an m64n64 product a key half where the columns' halves take two
+    m64n32 (FA3's split of dQ at d=64); else every row in its half of the columns."""
     HALF_N: gl.constexpr = k_bufs.shape[2]
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
-    HALF_D: gl.constexpr = BLOCK_D // 2
+    BLOCK_M: gl.constexpr = ds_bufs.shape[2]
+    DQ_ROWS: gl.constexpr = dq_zero.shape[0]
+    DQ_COLS: gl.constexpr = dq_zero.shape[1]
     par = i & 1
     if NAMED:
         named_barrier_sm90(DS_BARRIER + 2 * par + 1 - half, False)
     else:
         mbarrier.wait(ds_ready.index(par), (i >> 1) & 1)
-    tok = warpgroup_mma(ds_bufs.index(2 * par).permute((1, 0)),
-                        k_bufs.index(0).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
-                        dq_zero, use_acc=False, is_async=True)
-    return warpgroup_mma(ds_bufs.index(2 * par + 1).permute((1, 0)),
-                         k_bufs.index(1).reshape([HALF_N, BLOCK_D]).slice(half * HALF_D, HALF_D, dim=1),
-                         tok, is_async=True)
+    ds0 = ds_bufs.index(2 * par).permute((1, 0))
+    ds1 = ds_bufs.index(2 * par + 1).permute((1, 0))
+    k0 = k_bufs.index(0).reshape([HALF_N, BLOCK_D])
+    k1 = k_bufs.index(1).reshape([HALF_N, BLOCK_D])
+    if DQ_ROWS < BLOCK_M:
+        ds0 = ds0.slice(half * DQ_ROWS, DQ_ROWS, dim=0)
+        ds1 = ds1.slice(half * DQ_ROWS, DQ_ROWS, dim=0)
+    else:
+        k0 = k0.slice(half * DQ_COLS, DQ_COLS, dim=1)
+        k1 = k1.slice(half * DQ_COLS, DQ_COLS, dim=1)
+    tok = warpgroup_mma(ds0, k0, dq_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(ds1, k1, tok, is_async=True)
 
 
 @gluon.jit
@@ -1036,16 +1050,16 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
 
 
 @gluon.jit
-def _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, row, h, half, DETERMINISTIC: gl.constexpr):
-    """A consumer's half of step i's dQ (its columns half * HALF_D onwards; over softmax_scale,
-    and with dropout in backward_ds_unit's units) into the fp32 dQ buffer at (tb, row) by TMA
+def _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, row, h, half, BLOCK_M: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr):
+    """A consumer's part of step i's dQ (_bwd_sm90_dq_product's; over softmax_scale, and with
+    dropout in backward_ds_unit's units) into the fp32 dQ buffer at (tb, row) by TMA
     reduce-add (rows past the tensor are clipped; in a packed batch the
     rows past the sequence's end, whose P is 0, add zeros to the next one's), through its shared
     buffer once the previous reduction has read it. DETERMINISTIC: into its shared buffer once the
     writer partition (_bwd_sm90_write_dq) has had the previous step's read, and handed to it
     (handoff's barriers: dq_full, dq_empty), which adds it in its turn. (A writer for the
     any-order additions too measured 2-5% slower at d=64 and at d=128 16k: NOTES.md.)"""
-    HALF_D: gl.constexpr = dq.shape[1]
     if DETERMINISTIC:
         dq_full, dq_empty = handoff
         mbarrier.wait(dq_empty.index(half), (i & 1) ^ 1)  # the first step passes at once
@@ -1056,7 +1070,10 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, row, h, half, DETERMI
         tma.store_wait(0)
         dq_bufs.index(half).reshape(dq.shape).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [tb, row, h, half * HALF_D], dq_bufs.index(half))
+        if dq.shape[0] < BLOCK_M:
+            _tma_reduce_add(dq_desc, [tb, row + half * dq.shape[0], h, 0], dq_bufs.index(half))
+        else:
+            _tma_reduce_add(dq_desc, [tb, row, h, half * dq.shape[1]], dq_bufs.index(half))
 
 
 @gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k", "threshold"])
@@ -1176,7 +1193,8 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                               lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
                               rows_pad, start_n, lo, n_m)),
             (_bwd_sm90_write_dq, (dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads,
-                                  rows_pad, start_n, lo, n_m, sq, sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)),
+                                  rows_pad, start_n, lo, n_m, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                  HAS_RIGHT)),
         ], [4, 1, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -1214,16 +1232,19 @@ def _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) -> bool:
     return all(map(tma_ok, (q, k, v, dout, dk, dv)))
 
 
-def sm90_boxes(cfg, d: int) -> dict:
+def sm90_boxes(cfg, d: int, dq_by_rows: bool = False) -> dict:
     """(rows, columns) of the TMA boxes of _bwd_kernel_sm90's BSHD descriptors, by parameter name,
     for tiles cfg at the kernel's head dim d (configs.hopper_head_dim): K and V in a box per
     consumer warpgroup (half the program's keys), or with SPLIT_D one box that both share, and
-    dK / dV in a box per warpgroup's columns."""
+    dK / dV in a box per warpgroup's columns; dQ in a box per warpgroup's part of a step's tile
+    (_bwd_sm90_dq_product): half its rows where dq_by_rows (configs.hopper_backward_dq_by_rows),
+    else half its columns (with SPLIT_D a quarter)."""
     split = configs.hopper_backward_split_d(d)
     keys = cfg.block_n if split else cfg.block_n // 2
     kv_cols = d // 2 if split else d
+    dq = (cfg.block_m // 2, d) if dq_by_rows else (cfg.block_m, d // 4) if split else (cfg.block_m, d // 2)
     return dict(q_desc=(cfg.block_m, d), do_desc=(cfg.block_m, d), k_desc=(keys, d), v_desc=(keys, d),
-                dk_desc=(keys, kv_cols), dv_desc=(keys, kv_cols), dq_desc=(cfg.block_m, d // 4 if split else d // 2))
+                dk_desc=(keys, kv_cols), dv_desc=(keys, kv_cols), dq_desc=dq)
 
 
 def backward_ds_unit(dropout_scale: float, has_dropout: bool, split_d: bool) -> float:
@@ -1269,7 +1290,7 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     else:
         dq_acc_rows = dq_acc
     rows = [Box(t, (t.numel(),), (1,), (cfg.block_m,), ROW_LAYOUT) for t in stats]
-    boxes = sm90_boxes(cfg, dp)
+    boxes = sm90_boxes(cfg, dp, configs.hopper_backward_dq_by_rows(cfg.block_m, right is not None, deterministic))
 
     def box(t, name):
         return box_descriptor(t, *boxes[name])

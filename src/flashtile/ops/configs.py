@@ -279,6 +279,16 @@ def hopper_backward_defer_dq(d: int, right_bounded: bool, deterministic: bool) -
     return d == 64 or (d == 128 and not right_bounded and not deterministic)
 
 
+def hopper_backward_dq_by_rows(block_m: int, right_bounded: bool, deterministic: bool) -> bool:
+    """Whether the Hopper backward's consumer warpgroups split a step's dQ by rows, 64 each, one
+    m64n64 product a key half (FA3's split of dQ at d=64), instead of by columns (two m64n32):
+    with 128-row Q blocks where the keys have a right bound or dQ's additions are ordered.
+    Backward TFLOP/s, rows against columns, on the H200, two alternating rounds (ab_dqk.txt):
+    d=64 causal 16k 446 / 450 -> 464 / 463, deterministic 4k 414 / 421 -> 461 / 436, ALiBi
+    causal 4k level; without a right bound 0.95-0.97x at 1k / 4k / 16k, so those keep columns."""
+    return block_m == 128 and (right_bounded or deterministic)
+
+
 @functools.lru_cache(maxsize=1024)
 def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, device: torch.device,
                                ordered: bool = False) -> int:
