@@ -118,21 +118,23 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
 
 
 def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False,
-                           softcap: bool = False, alibi: bool = False, o_tma: bool = True):
+                           softcap: bool = False, alibi: bool = False, o_tma: bool = True, seqlen_k: int = 8192):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores; alibi:
     ALiBi slopes), its tiles in chunks of heads where configs.hopper_forward_head_chunk takes them
     (d=64, causal). d: the tensors' head dim, computed at configs.hopper_head_dim(d). o_tma: the
-    output through the copy engine (an output TMA can address), else stored from registers."""
+    output through the copy engine (an output TMA can address), else stored from registers.
+    seqlen_k: the keys the tiles are chosen for (configs.hopper_forward_tiles: at d=64 two consumer
+    warpgroups causal below 4096, else three)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     d, head_dim = configs.hopper_head_dim(d), d
-    cfg = configs.hopper_forward_tiles(d)
+    cfg = configs.hopper_forward_tiles(d, causal, seqlen_k)
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
-                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
+                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d, causal, seqlen_k), IS_VARLEN=varlen,
                  HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
                  HEAD_CHUNKED=causal and d == 64, HEAD_DIM=head_dim, O_TMA=o_tma)
     if not alibi:
@@ -360,7 +362,9 @@ if __name__ == "__main__":
         if argv[0] == "forward-sm90":
             compiled = compile_hopper_forward(int(argv[1]), *options, sink="--sink" in argv,
                                               softcap="--softcap" in argv, alibi="--alibi" in argv,
-                                              o_tma="--pointer-out" not in argv)
+                                              o_tma="--pointer-out" not in argv,
+                                              seqlen_k=int(argv[argv.index("--seqlen-k") + 1]) if "--seqlen-k" in argv
+                                              else 8192)
         else:
             compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv,
                                                alibi="--alibi" in argv, deterministic="--deterministic" in argv)

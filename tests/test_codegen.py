@@ -85,6 +85,20 @@ def test_hopper_forward_compiles_for_sm90(d, causal):
     assert report["shared_bytes"] <= 227 * 1024, report
 
 
+@pytest.mark.parametrize("extra", [[], ["--dropout"], ["--softcap", "--sink"], ["--alibi", "--varlen"]],
+                         ids=["plain", "dropout", "softcap-sink", "alibi-varlen"])
+def test_hopper_forward_compiles_two_consumers_at_d64(extra):
+    """d=64 under a causal mask below 4k keys runs two consumer warpgroups of 64 rows
+    (configs.hopper_forward_consumers): 240 registers each, and the turns on the tensor cores of
+    two (named barriers, as d=128), asynchronous wgmmas; no spills, 36 bytes with dropout."""
+    report = memory_ops("forward-sm90", 64, "--causal", "--seqlen-k", "2048", *extra)
+    assert report["spill_bytes"] <= (36 if "--dropout" in extra else 0), report
+    assert report["named_barriers"] == [2, 3], report
+    assert not report["wgmma_serialised"], report
+    assert {24, 240} <= set(report["setmaxnreg"]), report
+    assert report["shared_bytes"] <= 227 * 1024, report
+
+
 def test_hopper_forward_output_from_registers_without_a_descriptor():
     """An output the copy engine cannot address (O_TMA off: ops.forward.tma_ok) is stored from
     registers: the check above can fail."""

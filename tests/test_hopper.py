@@ -24,7 +24,11 @@ def test_dispatch(sm90, monkeypatch):
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096).block_m == 192
     assert configs.hopper_forward_config(128, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096).block_m == 128
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=512, seqlen_q=512) is None
-    assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=2048, seqlen_q=2048) is None
+    # under a causal mask from 2k keys, in two consumer warpgroups (128-row tiles) below 4k
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024) is None
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=2048, seqlen_q=2048).block_m == 128
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=4095, seqlen_q=4096).block_m == 128
+    assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=4096, seqlen_q=4096).block_m == 192
     # with softcap a causal d=64 forward measured level with the Triton kernel, or slower: it keeps that one
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192, softcap=True) is None
     assert configs.hopper_forward_config(64, bf16, CUDA, causal=False, seqlen_k=8192, seqlen_q=8192, softcap=True)
@@ -35,9 +39,10 @@ def test_dispatch(sm90, monkeypatch):
     # slower (d=160 causal 1k); d=48, which that kernel reads whole, keeps d=64's cuts
     assert configs.hopper_forward_config(96, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192).block_m == 128
     assert configs.hopper_forward_config(48, bf16, CUDA, causal=False, seqlen_k=4096, seqlen_q=4096).block_m == 192
-    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=2048, seqlen_q=2048) is None
+    assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024) is None
     assert configs.hopper_forward_config(48, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192, softcap=True) is None
-    assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512).block_m == 192
+    assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512).block_m == 128
+    assert configs.hopper_forward_config(40, bf16, CUDA, causal=False, seqlen_k=512, seqlen_q=512).block_m == 192
     assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512, softcap=True)
     assert configs.hopper_forward_config(160, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024).block_n == 64
     assert configs.hopper_forward_config(40, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=127) is None

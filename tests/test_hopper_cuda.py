@@ -1,6 +1,6 @@
 """The Gluon Hopper kernels on an H100. The forward (ops.forward._fwd_kernel_sm90): the prefill
 grid against the float64 oracle with the 2x rule, forced on for every case (the dispatch would give
-d=64 below 4k keys, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and
+d=64 below 1k keys, 2k under a causal mask, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and
 the ones it leaves to the Triton kernel, and CUDA-graph replay; its determinism under 50 reruns is
 test_prefill_cuda's test_backward_is_reproducible (d=128 takes this kernel there). The backward
 (ops.backward._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, dQ added
@@ -25,13 +25,14 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 @pytest.fixture
 def hopper_launches(monkeypatch):
-    """Forces the Hopper kernel wherever it can run, and counts its launches."""
+    """Forces the Hopper kernel wherever it can run, in the tiles the dispatch gives it (at d=64
+    two consumer warpgroups under a right bound below 4k keys, else three), and counts its launches."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels need sm_90")
     calls = []
     launch = forward._launch_sm90
     monkeypatch.setattr(configs, "hopper_forward_config",
-                        lambda d, *a, **kw: configs.hopper_forward_tiles(d))
+                        lambda d, *a, causal, seqlen_k, **kw: configs.hopper_forward_tiles(d, causal, seqlen_k))
     monkeypatch.setattr(forward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 
@@ -86,6 +87,27 @@ def test_forward_head_chunks(hopper_launches, monkeypatch, chunk, d):
     monkeypatch.setattr(configs, "hopper_forward_head_chunk", lambda *a: chunk)
     check_prefill(3, 700, 900, 10, 5, d, torch.bfloat16, "cuda", causal=True, backward=False)
     check_prefill(3, 700, 900, 10, 5, d, torch.bfloat16, "cuda", window=(300, 40), backward=False)
+    assert hopper_launches
+
+
+D64_CASES = {"causal": dict(), "dropout": dict(dropout_p=0.17), "softcap": dict(softcap=20.0),
+             "alibi": dict(alibi=True), "sink": dict(sink=True), "window": dict(window=(300, 0)), "varlen": None}
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("case", D64_CASES.values(), ids=D64_CASES.keys())
+def test_d64_consumers_under_a_right_bound(hopper_launches, monkeypatch, case, consumers):
+    """d=64 tiles of two consumer warpgroups (128 rows) and of three (192 rows) under a right bound
+    beside each flag, whichever the dispatch would give these lengths (configs.hopper_forward_consumers:
+    two below 4k keys, so the grid above runs three under a causal mask only at 8k)."""
+    tiles = configs.BlockConfig(64 * consumers, 128, 4, 2)
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: tiles)
+    if case is None:
+        check_varlen([300, 0, 17, 1024, 129], [250, 40, 17, 1024, 300], 4, 2, 64, torch.bfloat16, "cuda", causal=True,
+                     backward=False)
+    else:
+        check_prefill(2, 700, 900, 4, 2, 64, torch.bfloat16, "cuda", causal="window" not in case, backward=False,
+                      **case)
     assert hopper_launches
 
 

@@ -75,7 +75,11 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     forward": d=128 3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
     (scripts/ab_hopper_forward.py): non-causal 1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k
     1.089x, causal 1k 0.884x and 2k 1.043x with rounds at 156 and 172 TFLOP/s (the Triton kernel
-    288-339 in every round). So non-causal d=64 takes it from 1k keys, causal from 4k.
+    288-339 in every round). So non-causal d=64 takes it from 1k keys. Causal below 4k keys it
+    runs two consumer warpgroups (hopper_forward_consumers), which on the H200 measured against the
+    Triton kernel, three alternating rounds (ab_fwd_d64_causal_two_consumers.txt): 1k level (293 /
+    293), 2k 1.07x (332-339 -> 356-358); so causal d=64 takes it from 2k keys (three consumer
+    warpgroups there measured 354-360).
     With softcap (softcap_dispatch.json, 7b32a00, capped at 50, this kernel / the Triton kernel in
     one run): d=128 1.18-1.34x at 1k-16k, causal 1.06-1.29x; d=64 1.17-1.25x, but causal at 4k / 8k /
     16k 217 / 235, 241 / 237, 250 / 250 TFLOP/s (three exponential-unit operations a score where
@@ -91,11 +95,11 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     if not hopper_takes(d, dtype, device) or seqlen_q < 128:
         return None
     whole = d % 16 == 0  # the Triton kernel's accesses 16 bytes wide (hopper_takes)
-    if hopper_head_dim(d) == 64 and whole and (seqlen_k < (4096 if causal else 1024) or (causal and softcap)):
+    if hopper_head_dim(d) == 64 and whole and (seqlen_k < (2048 if causal else 1024) or (causal and softcap)):
         return None
     if d == 256 and causal and seqlen_k < 2048:
         return None
-    return hopper_forward_tiles(d)
+    return hopper_forward_tiles(d, causal, seqlen_k)
 
 
 HOPPER_HEAD_DIMS = (64, 128, 256)
@@ -128,25 +132,33 @@ def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
             and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
 
 
-def hopper_forward_tiles(d: int) -> BlockConfig:
+def hopper_forward_tiles(d: int, causal: bool = False, seqlen_k: int = 0) -> BlockConfig:
     """The Hopper forward's tiles at head dim d (computed at hopper_head_dim(d): 64, 128 or 256),
-    block_m = 64 rows per consumer warpgroup (hopper_forward_consumers). 256 takes 64-key blocks:
+    block_m = 64 rows per consumer warpgroup (hopper_forward_consumers: three at d=64 unless the
+    keys have a right bound, causal, and are fewer than 4096, seqlen_k). 256 takes 64-key blocks:
     its 128-key ones would not fit shared memory beside Q; (128, 32, 4, 3) measured 418-520
     TFLOP/s against (128, 64, 4, 2)'s 487-662 in one sweep (NOTES.md "Hopper forward")."""
     d = hopper_head_dim(d)
-    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d), 128, 4, 2)
+    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d, causal, seqlen_k),
+                                                                    128, 4, 2)
 
 
-def hopper_forward_consumers(d: int) -> int:
+def hopper_forward_consumers(d: int, causal: bool = False, seqlen_k: int = 0) -> int:
     """Consumer warpgroups of the Hopper forward, 64 query rows each: three at d=64 (160 registers
     each; 1.06-1.12x two at 2k-16k, causal 1.00-1.04x, ab_three_consumers.txt), two elsewhere
-    (240 registers: a d=128 output tile alone takes 64 of them). With dropout too since its mask
-    is applied to packed P (f345093): forward TFLOP/s at p = 0.1, three against two, two
-    alternating rounds (ab_dropout_d64_three_consumers.txt): 4k 325-327 / 294-295, 16k 345-348 /
-    301-303, causal 16k 298-325 / 280-290, causal 4k level (259 / 259-260), 1k 253-255 / 243-269.
+    (240 registers: a d=128 output tile alone takes 64 of them), and at d=64 where the keys have a
+    right bound (causal) and are fewer than 4096 (seqlen_k): 128-row tiles compute fewer masked
+    scores on the diagonal, and 2048 rows are whole 128-row tiles where 192-row ones leave a
+    ragged last tile. Forward TFLOP/s, H200, three alternating rounds
+    (ab_fwd_d64_causal_two_consumers.txt, ab_fwd_d64_causal_two_vs_three.txt): two at 2k 356-358
+    against the Triton kernel's 332-339 and 361-365 against three's 354-360, at 4k 398-401
+    against three's 404-408. Three with dropout too since its mask is applied to packed P
+    (f345093): forward TFLOP/s at p = 0.1, three against two, two alternating rounds
+    (ab_dropout_d64_three_consumers.txt): 4k 325-327 / 294-295, 16k 345-348 / 301-303, causal 16k
+    298-325 / 280-290, causal 4k level (259 / 259-260), 1k 253-255 / 243-269.
     (Before it, with each fp32 score selected, three had measured 22-39% slower:
     ab_dropout_d64_consumers.txt.)"""
-    return 3 if d == 64 else 2
+    return 3 if d == 64 and not (causal and seqlen_k < 4096) else 2
 
 
 HEAD_CHUNK_MAX = 64  # bounds the backward's compiled variants (a constexpr there); past a wave it orders nothing
