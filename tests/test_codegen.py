@@ -162,15 +162,16 @@ def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
     from block to block in the inputs' dtype with its mask applied (dropout_apply_sm90, which also
     converts P): d=128 28 bytes, 328 causal, stored and reloaded around the step that runs a tile's
     last P V under the next tile's first softmax (DEFER_PV; the block loop's loads are the 104
-    bytes causal it spilled before; 200 without dropout), d=64 (three consumer warpgroups) and
-    d=256 none. The backward at d=128 120 / 132, loop invariants reloaded in the
+    bytes causal it spilled before; 200 without dropout), d=64 (three consumer warpgroups) 24
+    causal (none before each warpgroup skipped the blocks its rows see nothing of; forward 1.02x
+    at 4k with dropout all the same: H200 NOTES.md, forty-first session), d=256 none. The backward at d=128 120 / 132, loop invariants reloaded in the
     step (108 / 128 before its keep-mask moved into P's sign bit by integer ops,
     dropout_sign_sm90; causal 124 before the head-chunked launch order's index arithmetic,
     configs.hopper_backward_head_chunk), 156 non-causal with the dQ product deferred to the next
     step (level in time with 120: H200 NOTES.md, fortieth session); at d=64 with its 64-row
     dropout blocks none."""
     report = memory_ops(kernel, d, "--dropout", *(["--causal"] if causal else []))
-    bound = {"forward-sm90": {64: 0, 128: 328, 256: 0}, "backward-sm90": {64: 0, 128: 156, 256: 8}}[kernel][d]
+    bound = {"forward-sm90": {64: 24, 128: 328, 256: 0}, "backward-sm90": {64: 0, 128: 156, 256: 8}}[kernel][d]
     assert report["spill_bytes"] <= bound, report
     assert not report["wgmma_serialised"], report
     assert {24, consumer_regs(kernel, d)} <= set(report["setmaxnreg"]), report

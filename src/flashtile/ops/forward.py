@@ -722,30 +722,42 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                     acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
                     mbarrier.arrive(v_empty.index(last), count=1)
             else:  # three consumers: each block's S, softmax and P V in turn (see the comment above)
+                # this warpgroup's own rows' blocks: of the tile's blocks those its rows see none of
+                # (under a causal mask the last one for the first two warpgroups) it only lets pass,
+                # and those its rows see whole need no mask
+                own_lo, own_full_lo, own_full_hi, own_hi = block_range(row0, HALF_M, BLOCK_N, sk_b, diag_offset,
+                                                                       left, right, HAS_LEFT, HAS_RIGHT)
                 for j in range(n_blocks):
                     stage = (it + j) % NUM_STAGES
+                    start_n = lo + j * BLOCK_N
                     mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
-                    k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
-                    s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                    p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk_b, diag_offset, left, right, qk_scale, softcap, slope,
-                                                          seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
-                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, ROWSUM_MMA, HALF_M,
-                                                          BLOCK_N, dtype)
-                    mbarrier.arrive(k_empty.index(stage), count=1)
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                    if ROWSUM_MMA:
-                        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    mbarrier.wait(v_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
-                    o_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-                    if ROWSUM_MMA:  # l += P times the columns of ones, P the register operand of both products
-                        p_l = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2))
-                        l_tok = warpgroup_mma(p_l, ones.permute((1, 0)), l_zero, use_acc=False, is_async=True)
-                        acc, l_block, p_op = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_op))
-                        l_i = l_i + l_block
+                    if (start_n >= own_lo) & (start_n < own_hi):
+                        k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+                        s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                        p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, start_n, own_full_lo, own_full_hi,
+                                                              sk_b, diag_offset, left, right, qk_scale, softcap, slope,
+                                                              seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
+                                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, ROWSUM_MMA, HALF_M,
+                                                              BLOCK_N, dtype)
+                        mbarrier.arrive(k_empty.index(stage), count=1)
+                        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                        if ROWSUM_MMA:
+                            l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        mbarrier.wait(v_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
+                        o_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]), acc,
+                                              is_async=True)
+                        if ROWSUM_MMA:  # l += P times the columns of ones, P the register operand of both products
+                            p_l = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=l_layout,
+                                                                              k_width=2))
+                            l_tok = warpgroup_mma(p_l, ones.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+                            acc, l_block, p_op = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_op))
+                            l_i = l_i + l_block
+                        else:
+                            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
                     else:
-                        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                        mbarrier.arrive(k_empty.index(stage), count=1)
+                        mbarrier.wait(v_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
                     mbarrier.arrive(v_empty.index(stage), count=1)
                 if not Q_AFTER_OUT:
                     mbarrier.arrive(q_empty.index(qs), count=1)
