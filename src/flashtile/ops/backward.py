@@ -623,8 +623,6 @@ def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk
     Turns: one per Q block of rows_pad and query head, b the sequence or batch), then for both
     consumers' parts of the dQ tile, reduces them into the fp32 dQ at (tb, q0 + rows) by TMA (as
     _bwd_sm90_dq_out's), hands the buffers back once read and counts its addition once complete."""
-    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1]
-    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     a, c = dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
     m_blocks = rows_pad // BLOCK_M
     for i in range(group * n_m):
@@ -634,10 +632,7 @@ def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk
         _dq_wait_turn(counter, dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
         for half in gl.static_range(2):
             mbarrier.wait(dq_full.index(half), i & 1)
-            if DQ_ROWS < BLOCK_M:  # _bwd_sm90_dq_out's parts
-                _tma_reduce_add(dq_desc, [tb, q0 + start_m + half * DQ_ROWS, h, 0], dq_bufs.index(half))
-            else:
-                _tma_reduce_add(dq_desc, [tb, q0 + start_m, h, half * DQ_COLS], dq_bufs.index(half))
+            _bwd_sm90_reduce_dq(dq_desc, dq_bufs.index(half), tb, q0 + start_m, h, half, BLOCK_M)
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(0), count=1)
         mbarrier.arrive(dq_empty.index(1), count=1)
@@ -1070,10 +1065,20 @@ def _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, i, tb, row, h, half, BLOCK_M
         tma.store_wait(0)
         dq_bufs.index(half).reshape(dq.shape).store(dq)
         fence_async_shared()
-        if dq.shape[0] < BLOCK_M:
-            _tma_reduce_add(dq_desc, [tb, row + half * dq.shape[0], h, 0], dq_bufs.index(half))
-        else:
-            _tma_reduce_add(dq_desc, [tb, row, h, half * dq.shape[1]], dq_bufs.index(half))
+        _bwd_sm90_reduce_dq(dq_desc, dq_bufs.index(half), tb, row, h, half, BLOCK_M)
+
+
+@gluon.jit
+def _bwd_sm90_reduce_dq(dq_desc, buf, tb, row, h, half, BLOCK_M: gl.constexpr):
+    """Adds a warpgroup's part of a step's dQ tile (buf, shared) into the fp32 dQ whose block
+    starts at (tb, row) by TMA reduce-add: rows half * 64 onwards in every column where dQ's box
+    (sm90_boxes) is half the block's rows, else every row in columns half * box width onwards."""
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1]
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    if DQ_ROWS < BLOCK_M:
+        _tma_reduce_add(dq_desc, [tb, row + half * DQ_ROWS, h, 0], buf)
+    else:
+        _tma_reduce_add(dq_desc, [tb, row, h, half * DQ_COLS], buf)
 
 
 @gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k", "threshold"])
