@@ -68,8 +68,10 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     400 / 405, causal 322 / 376 against 337 / 362, so d=64 takes it from 4k keys on. 3 K/V stages:
     within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. d=256 (prefill_d256_ccdaa4c.json of
     ccdaa4c + d=256): 1.24-1.30x the Triton kernel at 1k-16k non-causal and 2k-16k causal; causal 1k
-    swung between 155 and 378 TFLOP/s in five measurements (the Triton kernel: 286-289), so it
-    keeps the Triton kernel there. Fewer than 128 query rows (decoding steps and short chunks
+    swung between 155 and 378 TFLOP/s on the H100 then, while a Hopper launch's host path still
+    cost more than the kernel (before its launches were cached). On the H200, five alternating
+    rounds (scripts/ab_hopper_forward.py, ab_hopper_forward_d256.txt): causal 1k 407-417 against
+    the Triton kernel's 293-295, so d=256 takes this kernel at every length. Fewer than 128 query rows (decoding steps and short chunks
     through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
     waste less of a short sequence. After the kernel went persistent (NOTES.md "Persistent Hopper
     forward": d=128 3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
@@ -96,8 +98,6 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
         return None
     whole = d % 16 == 0  # the Triton kernel's accesses 16 bytes wide (hopper_takes)
     if hopper_head_dim(d) == 64 and whole and (seqlen_k < (2048 if causal else 1024) or (causal and softcap)):
-        return None
-    if d == 256 and causal and seqlen_k < 2048:
         return None
     return hopper_forward_tiles(d, causal, seqlen_k)
 
