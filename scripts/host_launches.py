@@ -52,9 +52,10 @@ def ready_launch(prepared: _launch.Prepared, args):
     tensors, scalars, stream, key = args
     every = tensors + prepared.tensors
     device = every[0].get_device()
-    run, function, head, tail = prepared.kernel._flashtile_launches[(prepared._id, device, scalars, key)]
+    run, function, head, tail, boxes = prepared.kernel._flashtile_launches[(prepared._id, device, scalars, key)]
     g0, g1, g2 = prepared._grid3
-    bound = (g0, g1, g2, stream, function, *head, *_launch._pointers(every), *scalars, *prepared.scalars, *tail)
+    bound = (g0, g1, g2, stream, function, *head, *_launch._pointers(every, boxes), *scalars, *prepared.scalars,
+             *tail)
     return lambda: run(*bound)
 
 

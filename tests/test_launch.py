@@ -259,3 +259,42 @@ def test_prepared_launch_rebinds_on_another_key_or_device(kernel):
         prepared(call, (5,))
         assert len(kernel.triton_calls) == before + 1
         assert prepared._bound[0][0] == call[0].get_device()
+
+
+def test_descriptors_reach_the_launcher_as_tritons_wrapper_passes_them(monkeypatch):
+    """A kernel with TMA descriptor arguments: Triton wraps its C launch in Python that encodes each
+    descriptor (driver.wrap_handle_tensordesc). The cached launch calls the C launch itself and
+    encodes the Boxes in _pointers: the launcher must get the same arguments either way."""
+    from triton.backends.nvidia import driver
+
+    def fill(ptr, swizzle, size, dtype, block, shape, strides, padding):  # the driver's cuTensorMapEncodeTiled
+        return ("map", ptr, swizzle, size, dtype, tuple(block), tuple(shape), tuple(strides), padding)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(utils=SimpleNamespace(
+        fill_tma_descriptor=fill)))
+    received = []
+    signature = {0: "*bf16", 1: "tensordesc<bf16[1, 64, 1, 128]>", 2: "i32", 3: "tensordesc<fp16[1, 128, 1, 64]>",
+                 4: "fp32"}
+    metas = [dict(swizzle=3, elem_size=2, elem_type=9, block_size=[1, 64, 1, 128], fp4_padded=False),
+             dict(swizzle=2, elem_size=2, elem_type=8, block_size=[1, 128, 1, 64], fp4_padded=False)]
+    wrapped = driver.wrap_handle_tensordesc(lambda *a: received.append(a), signature, metas)
+    run, boxes = _launch._unwrapped(wrapped)
+    assert run is not wrapped and [b[0] for b in boxes] == [1, 3]
+
+    def box(ptr, shape, rows):
+        strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+        return _launch.Box(FakeTensor(ptr), shape, strides, (1, rows, 1, shape[3]), None)
+
+    x, q, k = FakeTensor(512), box(1024, (2, 300, 4, 128), 64), box(4096, (2, 500, 2, 64), 128)
+    base = tuple(range(driver._BASE_ARGS_FORMAT_LEN))
+    wrapped(*base, x, q, 7, k, 0.5)
+    run(*base, *_launch._pointers((x, q, 7, k, 0.5), boxes))
+    assert len(received) == 2 and received[0] == received[1]
+    assert received[0][len(base):] == (x, ("map", 1024, 3, 2, 8, (1, 64, 1, 128), (2, 300, 4, 128),
+                                           (153600, 512, 128, 1), 0), 2, 300, 4, 128, 153600, 512, 128, 1, 7,
+                                       ("map", 4096, 2, 2, 10, (1, 128, 1, 64), (2, 500, 2, 64), (64000, 128, 64, 1), 0),
+                                       2, 500, 2, 64, 64000, 128, 64, 1, 0.5)
+    # a launch function without that wrapper is taken as it is
+    assert _launch._unwrapped(print) == (print, None)
+    plain = driver.wrap_handle_tensordesc(print, {0: "*fp32"}, None)
+    assert _launch._unwrapped(plain) == (print, None)

@@ -134,9 +134,9 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
     """Launch the compiled kernel kept under key, or under general() (the key with each scalar's
     specialisation in place of its value), or go through Triton once and keep it under both;
     stream: the current stream of device, when the caller has it. Returns what the cache keeps for
-    the launch, (run, function, head, tail), or None when Triton's path did not give a compiled
-    kernel."""
-    cache = kernel.__dict__.get("_flashtile_launches")  # {key: _direct(compiled) + (constexprs in signature order,)}
+    the launch, (run, function, head, tail, boxes), or None when Triton's path did not give a
+    compiled kernel."""
+    cache = kernel.__dict__.get("_flashtile_launches")  # {key: (run, function, head, constexprs in signature order, boxes)}
     if cache is None:
         cache = kernel._flashtile_launches = {}
     hit = cache.get(key)
@@ -150,16 +150,17 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
                 tail = names[len(tensors) + len(scalars):]
                 if len(cache) >= MAX_ENTRIES - 1:
                     cache.clear()
-                hit = cache[key] = cache[general_key] = (*_direct(compiled), tuple(constexprs[n] for n in tail))
+                run, function, head, boxes = _direct(compiled)
+                hit = cache[key] = cache[general_key] = (run, function, head, tuple(constexprs[n] for n in tail), boxes)
                 return hit
             return None
         if len(cache) >= MAX_ENTRIES:
             cache.clear()
         cache[key] = hit
-    run, function, head, tail = hit
+    run, function, head, tail, boxes = hit
     g0, g1, g2 = _grid3(grid)
-    run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head, *_pointers(tensors),
-        *scalars, *tail)
+    run(g0, g1, g2, current_stream(device) if stream is None else stream, function, *head,
+        *_pointers(tensors, boxes), *scalars, *tail)
     return hit
 
 
@@ -168,28 +169,59 @@ def _grid3(grid) -> tuple:
     return (tuple(grid) + (1, 1))[:3]
 
 
-def _pointers(tensors) -> list:
+def _pointers(tensors, boxes: tuple | None = None) -> list:
     """Tensor arguments as the compiled launcher takes them on a cached hit: a plain tensor as its
     address. Given a tensor, the launcher calls its data_ptr and then asks the driver whether the
     address is device memory (cuPointerGetAttribute) on every launch; given an int it does neither.
     The key does not hold a tensor's device, so that question is the callers': every launch site's
     tensors come checked to be on the launch's device (_checks and the API) or made there. Anything
-    else (None, a TMA descriptor, a tensor subclass) goes as it is."""
-    return [t.data_ptr() if type(t) is torch.Tensor else t for t in tensors]
+    else (None, a tensor subclass) goes as it is, and so does a TMA descriptor unless boxes
+    (_unwrapped) says how the launcher wants it: encoded, then its shape and strides."""
+    args = [t.data_ptr() if type(t) is torch.Tensor else t for t in tensors]
+    if boxes is not None:
+        for at, fill, swizzle, size, dtype, block in reversed(boxes):  # splice from the back: positions hold
+            box = tensors[at]
+            args[at:at + 1] = (fill(box.base.data_ptr(), swizzle, size, dtype, block, box.shape, box.strides,
+                                    int(box.padding == "nan")), *box.shape, *box.strides)
+    return args
 
 
 def _direct(compiled) -> tuple:
-    """(run, function, head): compiled's launch is run(grid x, y, z, stream, function, *head,
-    *arguments). Triton's launcher object wraps its C launch function in Python that allocates the
-    kernel's global and profile scratch; a kernel that needs neither is launched by the C function
-    itself, with the launcher's flags and no scratch, which is what the wrapper passes it."""
+    """(run, function, head, boxes): compiled's launch is run(grid x, y, z, stream, function, *head,
+    *_pointers(arguments, boxes)). Triton's launcher object wraps its C launch function in Python that
+    allocates the kernel's global and profile scratch; a kernel that needs neither is launched by the
+    C function itself, with the launcher's flags and no scratch, which is what the wrapper passes it
+    (and with TMA descriptor arguments, past the wrapper of those: _unwrapped)."""
     launcher = compiled.run  # loads the binary if that has not happened yet
     hooks = (compiled.packed_metadata, None, None, None)  # launch metadata, enter and exit hooks: none
     if getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0 \
             and callable(getattr(launcher, "launch", None)):
-        return launcher.launch, compiled.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                                                    *hooks)
-    return launcher, compiled.function, hooks
+        run, boxes = _unwrapped(launcher.launch)
+        return run, compiled.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                                        *hooks), boxes
+    return launcher, compiled.function, hooks, None
+
+
+def _unwrapped(run) -> tuple:
+    """(the C launch, boxes) for a launch function `run` that Triton wrapped because the kernel takes
+    TMA descriptors (its driver's wrap_handle_tensordesc): that wrapper walks every argument on every
+    call to find the descriptors and encode them, and so cost the Hopper kernels' host path more
+    than their own Python did (benchmarks/results/h200/host_profile_forward.txt). boxes: per
+    descriptor argument, (its position, the driver's encoder, then the swizzle, element size, host
+    dtype enum and box shape the wrapper would pass it), for _pointers. (run, None) where there is
+    no such wrapper or it is not the one read here (another Triton, descriptors without metadata)."""
+    code, cells = getattr(run, "__code__", None), getattr(run, "__closure__", None)
+    if code is None or cells is None:
+        return run, None
+    free = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells)))
+    raw, at, metas = free.get("launcher"), free.get("tensordesc_indices"), free.get("tensordesc_meta")
+    if not callable(raw) or not at or not metas or len(at) != len(metas) \
+            or any(m is None or m.get("fp4_padded") for m in metas):
+        return run, None
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+    return raw, tuple((i, fill, m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]],
+                       m["block_size"]) for i, m in zip(sorted(at), metas))
 
 
 _fixed_ids: dict = {}  # the fixed part of a Prepared launch's key -> a small int standing for it
@@ -235,7 +267,7 @@ class Prepared:
         self._id = _fixed_id((scalars, *self._rest))
         self._class_id = None  # the fixed part by specialisation, at the first call that needs it
         self._grid3 = _grid3(grid)
-        self._bound = None  # ((device, scalars, key), run, (function, *head), (*fixed scalars, *tail))
+        self._bound = None  # ((device, scalars, key), run, (function, *head), (*fixed scalars, *tail), boxes)
 
     def __call__(self, tensors: tuple, scalars: tuple, stream=None, key=None) -> None:
         """Launch with these leading tensors and scalars. stream: the current CUDA stream of their
@@ -254,17 +286,17 @@ class Prepared:
             stream = current_stream(device)
         call, bound = (device, scalars, key), self._bound
         if bound is not None and bound[0] == call:
-            _, run, head, tail = bound
+            _, run, head, tail, boxes = bound
             g0, g1, g2 = self._grid3
             # every address read now: a fixed tensor keeps its key, but its storage may move (t.data = ...)
-            run(g0, g1, g2, stream, *head, *_pointers(every), *scalars, *tail)
+            run(g0, g1, g2, stream, *head, *_pointers(every, boxes), *scalars, *tail)
             return
         hit = _cached_launch(self.kernel, (self._id, device, scalars, key), self.grid, every, scalars + self.scalars,
                              self.constexprs, self.options, device, stream,
                              general=lambda: ("class", self._general_id(), device, _scalar_classes(scalars), key))
         if hit is not None:
-            run, function, head, tail = hit
-            self._bound = (call, run, (function, *head), (*self.scalars, *tail))
+            run, function, head, tail, boxes = hit
+            self._bound = (call, run, (function, *head), (*self.scalars, *tail), boxes)
 
     def _general_id(self) -> int:
         if self._class_id is None:
