@@ -1,13 +1,19 @@
 """Host time per call against device time: the Hopper forward beside the Triton kernel.
 
-    PYTHONPATH=src python scripts/host_device_forward.py
+    PYTHONPATH=src python scripts/host_device_forward.py [--profile]
 
 bf16, 16k tokens, heads x d = 2048 (bench prefill's shapes). Per kernel: host microseconds a call
 (200 back-to-back calls, no sync), then TFLOP/s of eager calls (triton.testing.do_bench) and of a
 CUDA-graph replay of one call, three reads each. Where the host time passes the device time, eager
 calls measure the host. The Triton kernel runs where configs.hopper_forward_config answers None.
+--profile: instead, cProfile of 300 eager calls per kernel at d=256 causal 256 keys (the shortest
+shape above), the top 22 entries by own time, then 300 calls timed without the profiler.
 """
 
+import cProfile
+import io
+import pstats
+import sys
 import time
 
 import torch
@@ -41,10 +47,10 @@ def captured(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def main() -> None:
+def main(profile: bool = False) -> None:
     hopper = configs.hopper_forward_config
     try:
-        for d, causal, seqlen in SHAPES:
+        for d, causal, seqlen in SHAPES[1:2] if profile else SHAPES:
             batch, heads = 16384 // seqlen, 2048 // d
             q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
@@ -53,6 +59,17 @@ def main() -> None:
                 fn = lambda: flashtile.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
                 for _ in range(3):
                     fn()
+                if profile:
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    for _ in range(300):
+                        fn()
+                    profiler.disable()
+                    torch.cuda.synchronize()
+                    text = io.StringIO()
+                    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+                    print(f"===== {name}\n{text.getvalue()}\n{name} host us/call {host_us(fn, 300)}", flush=True)
+                    continue
                 host = host_us(fn)
                 eager = [flops / triton.testing.do_bench(fn, warmup=25, rep=100) * 1e-9 for _ in range(3)]
                 graph = captured(fn)
@@ -65,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main("--profile" in sys.argv[1:])

@@ -50,7 +50,7 @@ def test_dispatch(sm90, monkeypatch):
         assert configs.hopper_forward_config(d, bf16, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
     assert configs.hopper_forward_config(256, bf16, CUDA, causal=False, seqlen_k=1024, seqlen_q=1024).block_n == 64
     assert configs.hopper_forward_config(256, bf16, CUDA, causal=True, seqlen_k=1024, seqlen_q=1024).block_n == 64
-    assert configs.hopper_forward_config(256, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512).block_m == 128
+    assert configs.hopper_forward_config(256, bf16, CUDA, causal=True, seqlen_k=512, seqlen_q=512) is None
     assert configs.hopper_forward_config(128, torch.float32, CUDA, causal=True, seqlen_k=8192, seqlen_q=8192) is None
     assert configs.hopper_forward_config(128, bf16, torch.device("cpu"), causal=True, seqlen_k=8192,
                                          seqlen_q=8192) is None

@@ -71,7 +71,10 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     swung between 155 and 378 TFLOP/s on the H100 then, while a Hopper launch's host path still
     cost more than the kernel (before its launches were cached). On the H200, five alternating
     rounds (scripts/ab_hopper_forward.py, ab_hopper_forward_d256.txt): causal 1k 407-417 against
-    the Triton kernel's 293-295, so d=256 takes this kernel at every length. Fewer than 128 query rows (decoding steps and short chunks
+    the Triton kernel's 293-295, so causal d=256 takes this kernel from 1k keys. Below that its
+    device time (95 us at 256 keys, 16k tokens) is under this kernel's host time a call (100-200
+    us on the H200 machine's host, the Triton kernel's 60-105: host_device_forward.txt), and eager
+    calls read either kernel faster by the host's speed (prefill_d256_short*.json). Fewer than 128 query rows (decoding steps and short chunks
     through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
     waste less of a short sequence. After the kernel went persistent (NOTES.md "Persistent Hopper
     forward": d=128 3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
@@ -98,6 +101,8 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
         return None
     whole = d % 16 == 0  # the Triton kernel's accesses 16 bytes wide (hopper_takes)
     if hopper_head_dim(d) == 64 and whole and (seqlen_k < (2048 if causal else 1024) or (causal and softcap)):
+        return None
+    if d == 256 and causal and seqlen_k < 1024:
         return None
     return hopper_forward_tiles(d, causal, seqlen_k)
 
