@@ -107,7 +107,7 @@ def launch_times(fn, reps: int = 10) -> list:
 
 
 def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=None):
-    """(ms, TFLOP/s, registers and spills of the compiled kernels, gradients)."""
+    """(ms, TFLOP/s, registers and spills of the kernels this candidate compiled, gradients)."""
     b, h = tokens // seqlen, 2048 // d
     gen = torch.Generator(device="cuda").manual_seed(0)  # the same inputs for every candidate
     q, k, v, do = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -118,7 +118,9 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
     setattr(configs, PATCH[kernel], lambda *a, **k: cfg)
     setattr(configs, HOPPER_PATCH[kernel], lambda *a, **k: None)
     jit = forward._fwd_kernel if kernel == "forward" else backward._bwd_kernel
-    jit.__dict__.pop("_flashtile_launches", None)  # ops._launch's cache: only this config's kernels
+    jit.__dict__.pop("_flashtile_launches", None)  # ops._launch's cache: this config's launches from here
+    compiled_so_far = jit.device_caches[torch.cuda.current_device()][0]  # Triton's own: key -> CompiledKernel
+    known = set(map(id, compiled_so_far.values()))
     grads, launch_ms = None, None
     try:
         out, lse = forward.attention_forward(q, k, v, scale, window, dropout=dropout)
@@ -141,7 +143,7 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
     finally:
         setattr(configs, PATCH[kernel], original)
         setattr(configs, HOPPER_PATCH[kernel], hopper)
-    compiled = [c for c, _ in jit.__dict__.get("_flashtile_launches", {}).values()]
+    compiled = [c for c in compiled_so_far.values() if id(c) not in known]  # what this candidate compiled
     regs = {"regs": [c.n_regs for c in compiled], "spills": [c.n_spills for c in compiled]}
     if launch_ms is not None:
         regs["launch_ms"] = launch_ms
