@@ -75,7 +75,8 @@ def main(profile: bool = False) -> None:
                 graph = captured(fn)
                 replay = [flops / triton.testing.do_bench(graph.replay, warmup=25, rep=100) * 1e-9 for _ in range(3)]
                 print(f"d={d} causal={int(causal)} s={seqlen} {name}: host {host:.0f} us/call "
-                      f"(device {flops / max(replay) / 1e6:.0f} us), eager TFLOP/s {' '.join(f'{x:.0f}' for x in eager)}, "
+                      f"(device {flops / max(replay) / 1e6:.0f} us), "
+                      f"eager TFLOP/s {' '.join(f'{x:.0f}' for x in eager)}, "
                       f"graph {' '.join(f'{x:.0f}' for x in replay)}", flush=True)
     finally:
         configs.hopper_forward_config = hopper

@@ -292,7 +292,8 @@ def test_descriptors_reach_the_launcher_as_tritons_wrapper_passes_them(monkeypat
     assert len(received) == 2 and received[0] == received[1]
     assert received[0][len(base):] == (x, ("map", 1024, 3, 2, 8, (1, 64, 1, 128), (2, 300, 4, 128),
                                            (153600, 512, 128, 1), 0), 2, 300, 4, 128, 153600, 512, 128, 1, 7,
-                                       ("map", 4096, 2, 2, 10, (1, 128, 1, 64), (2, 500, 2, 64), (64000, 128, 64, 1), 0),
+                                       ("map", 4096, 2, 2, 10, (1, 128, 1, 64), (2, 500, 2, 64),
+                                        (64000, 128, 64, 1), 0),
                                        2, 500, 2, 64, 64000, 128, 64, 1, 0.5)
     # a launch function without that wrapper is taken as it is
     assert _launch._unwrapped(print) == (print, None)

@@ -136,7 +136,8 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
     stream: the current stream of device, when the caller has it. Returns what the cache keeps for
     the launch, (run, function, head, tail, boxes), or None when Triton's path did not give a
     compiled kernel."""
-    cache = kernel.__dict__.get("_flashtile_launches")  # {key: (run, function, head, constexprs in signature order, boxes)}
+    # {key: (run, function, head, the constexprs in signature order, boxes)}
+    cache = kernel.__dict__.get("_flashtile_launches")
     if cache is None:
         cache = kernel._flashtile_launches = {}
     hit = cache.get(key)

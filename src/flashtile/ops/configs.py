@@ -74,8 +74,8 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
     the Triton kernel's 293-295, so causal d=256 takes this kernel from 1k keys. Below that its
     device time (95 us at 256 keys, 16k tokens) is under this kernel's host time a call (100-200
     us on the H200 machine's host, the Triton kernel's 60-105: host_device_forward.txt), and eager
-    calls read either kernel faster by the host's speed (prefill_d256_short*.json). Fewer than 128 query rows (decoding steps and short chunks
-    through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
+    calls read either kernel faster by the host's speed (prefill_d256_short*.json). Fewer than 128
+    query rows (decoding steps and short chunks through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
     waste less of a short sequence. After the kernel went persistent (NOTES.md "Persistent Hopper
     forward": d=128 3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
     (scripts/ab_hopper_forward.py): non-causal 1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k
