@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from flashtile.bench import decode, harness, prefill, prefill_report
 
@@ -404,3 +405,19 @@ def test_synchronisations_counts_where_they_happen(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         harness.synchronisations(fails)
     assert modes == [1, 0, 1, 0]
+
+
+@pytest.mark.cuda
+def test_replay_ms_times_the_graph_back_to_back():
+    """harness.replay_ms, bench decode's device time: a graph of four 256 MB copies over distinct
+    buffers (1 GB in all, past L2) takes four times one copy's graph, and one copy reads what
+    do_bench gives it, to within the spread of a busy GPU (do_bench's flush before each run costs
+    a copy this long ~1%)."""
+    n = 256 * 2**20
+    src = [torch.randn(n // 4, device="cuda") for _ in range(4)]
+    dst = [torch.empty_like(s) for s in src]
+    one, _ = harness.capture(lambda: dst[0].copy_(src[0]))
+    four, _ = harness.capture(lambda: [d.copy_(s) for d, s in zip(dst, src)])
+    t1, t4 = harness.replay_ms(one), harness.replay_ms(four)
+    assert 3.6 < t4 / t1 < 4.4, (t1, t4)
+    assert 0.85 < t1 / harness.bench_ms(one.replay) < 1.1

@@ -272,12 +272,14 @@ def _eager_rounds(calls: dict) -> dict:
     return best
 
 
-def _graph_us(fn, q, buffers, **bench) -> float:
+def _graph_us(fn, q, buffers, rep: float = 100.0) -> float:
     """Device time per call without host overhead: one CUDA graph holding a call on every rotating
-    buffer, replayed (do_bench's cache flush between replays hides only ~90 µs of host time, so
-    `us` of a call with more host work than that includes part of it; `graph_us` does not)."""
+    buffer, replayed back to back (harness.replay_ms: no cache flush, which the rotation makes
+    needless and whose dirty lines cost the first calls of a replay; `us`, through do_bench, has
+    the flush, and hides only ~90 µs of host time behind it, so a call with more host work than
+    that includes part of it there; `graph_us` does not)."""
     graph, _ = harness.capture(lambda: [fn(q, k, v) for k, v in buffers])
-    return harness.bench_ms(graph.replay, **bench) * 1e3 / len(buffers)
+    return harness.replay_ms(graph, rep) * 1e3 / len(buffers)
 
 
 def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
@@ -450,7 +452,7 @@ def sweep(args) -> dict:
                 rows.append(row)
                 try:
                     row["max_err_vs_sdpa"] = check(q, *buffers[0])
-                    row["graph_us"] = _graph_us(fn, q, buffers, warmup=10, rep=40)
+                    row["graph_us"] = _graph_us(fn, q, buffers, rep=40)
                     row["GBps"] = kv_bytes / row["graph_us"] * 1e-3
                     print(f"b={batch:3d} ctx={context:6d} page={page:2d} BLOCK_N {cfg.block_n:3d} warps "
                           f"{cfg.num_warps} stages {cfg.num_stages} splits {splits:3d} {row['combine']:6s} "

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 
@@ -56,6 +57,29 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def replay_ms(graph, rep: float = 100.0) -> float:
+    """Median milliseconds of graph.replay() over back-to-back replays for about rep milliseconds
+    (as do_bench's rep), CUDA events around each, after one untimed replay. No L2 flush in
+    between, where do_bench zeroes 256 MB before each run: the memset's last lines are still dirty
+    in L2 when the run starts, and writing them back costs the run bandwidth (on the H200 ~9 us a
+    run: 0.7-0.9 us a call on bench decode's graphs of ten calls over 67 MB caches, 1.8-2.0 on its
+    graphs of five over 134 MB; scripts/graph_timing.py). For a graph whose calls rotate over inputs
+    larger than L2 in all, which keeps them out of it already."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    synchronize()
+    replays = max(10, int(rep / max(start.elapsed_time(end), 1e-3)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def synchronize() -> None:
