@@ -22,13 +22,13 @@ Then speculative decoding / chunked prefill: SQ query rows per sequence (GQA pac
 rows in one tile), causal to the cache's end, against SDPA with torch's bottom-right causal mask,
 on SQ_SHAPES.
 Every flashtile row is checked against SDPA (sq > 1: against the expanded heads with an explicit
-mask) before it is timed. Times are do_bench medians with cache buffers rotating between calls
-(>= 640 MB in rotation against a 50 MB L2), so they measure HBM; GB/s = KV bytes read / time,
-next to the device-to-device copy ceiling of the same run. `loop_us` ("eager") is wall time per
-call in a back-to-back loop of Python calls (host overhead included; the best of five loops, the
-implementations of a shape taking turns);
-`graph_us` ("device") is the device time per call from a replayed CUDA graph (host overhead
-excluded).
+mask) before it is timed. Every call reads one of several cache buffers in turn (>= 640 MB in
+rotation against a 50 MB L2), so the times measure HBM; GB/s = KV bytes read / time, next to the
+device-to-device copy ceiling of the same run. `us` is do_bench's median of one call;
+`loop_us` ("eager") is wall time per call in a back-to-back loop of Python calls (host overhead
+included; the best of five loops, the implementations of a shape taking turns);
+`graph_us` ("device") is the device time per call from a CUDA graph of a call on every buffer,
+replayed back to back (host overhead excluded; harness.replay_ms, no L2 flush between replays).
 
     python -m flashtile.bench.decode --out benchmarks/results/h100
 writes decode.json (rewritten after every row); --plot-only redraws decode_latency.png,
