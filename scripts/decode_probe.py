@@ -1,6 +1,7 @@
 """Where a decoding kernel's time goes past the read floor: its loop's pieces on its own grid.
 
     PYTHONPATH=src python scripts/decode_probe.py [BATCHxCONTEXTxSPLITS,...] [--quick]
+    PYTHONPATH=src python scripts/decode_probe.py --access [BATCHxCONTEXTxSPLITS,...]
 
 Per shape (fp16, 2 KV heads of 128, 8 query rows a KV head), device time by CUDA-graph replay over
 four rotating caches, all in one process:
@@ -39,6 +40,7 @@ MODES = (0, 1, 2, 3)
 GLUON_TILES = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 4, 2), (16, 8, 2))  # keys a warp, warps, stages
 # g3's: keys a warp, warps, stages, programs an SM (its grid: min(items, this x SMs)); shared memory
 # 141 / 182 KB at 3 / 4 stages (a q ring of its own beside the keys'), 100 KB at 2: two fit an SM
+PROBE_W_REGS = gl.constexpr(168)  # each of g4's three worker warps (the default partition keeps the launch's)
 G3_TILES = ((16, 4, 3, 1), (16, 4, 4, 1), (16, 4, 2, 2))
 
 
@@ -210,9 +212,11 @@ def probe_gluon(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_sc
 
 @gluon.jit
 def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_scale, D: gl.constexpr,
-                  KW: gl.constexpr, STAGES: gl.constexpr):
+                  KW: gl.constexpr, STAGES: gl.constexpr, COMPUTE: gl.constexpr = True):
     """probe_gluon with the products turned round, S^T = K Q^T and O^T = V^T P^T, on the 8 real rows
-    (the MMA's N is 8): no padded rows, so half the multiplies and a 32-register accumulator."""
+    (the MMA's N is 8): no padded rows, so half the multiplies and a 32-register accumulator.
+    COMPUTE False (--access's c2): the ring of copies alone, every tile waited for and nothing done
+    with it; the output is the zero state's (not checked)."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -260,13 +264,128 @@ def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_
         async_copy.async_copy_global_to_shared(k_ring.index(nxt % STAGES), K + offs + nxt * TILE * stride_n, mask=ok)
         async_copy.async_copy_global_to_shared(v_ring.index(nxt % STAGES), V + offs + nxt * TILE * stride_n, mask=ok)
         async_copy.commit_group()
-        slot = t % STAGES
-        m_i, l_i, acc = _probe_t_step(k_ring.index(slot), v_ring.index(slot), q_t, m_i, l_i, acc, qk_scale, KW)
+        if COMPUTE:
+            slot = t % STAGES
+            m_i, l_i, acc = _probe_t_step(k_ring.index(slot), v_ring.index(slot), q_t, m_i, l_i, acc, qk_scale, KW)
     async_copy.wait_group(0)
 
     o_smem = gl.allocate_shared_memory(gl.float32, [W, D, 8],
                                        gl.PaddedSharedLayout.with_identity_for([[32, 4]], [W, D, 8], [2, 1, 0]))
     _probe_t_store(o_smem, m_i, l_i, acc, Out + program * 8 * D, D)
+
+
+@gluon.jit
+def _probe_w_loop(Q, K, V, k_ring, v_ring, states, ms, ls, base, lo, n_tiles, q_off, stride_n, qk_scale,
+                  w: gl.constexpr, W: gl.constexpr, D: gl.constexpr, KW: gl.constexpr, STAGES: gl.constexpr):
+    """g4's warp w, a partition of one warp: keys lo + t W KW + w KW + [0, KW) of tile t through its
+    own slots of the ring (STAGES deep: slot t % STAGES of warp w is k_ring[(t % STAGES) W + w]),
+    g2's products turned round. Its barrier a tile is its own warp's (bar.warp.sync), so no warp
+    waits for another in the loop. Its state goes to rows [w D, (w + 1) D) of states (acc (D, 8)),
+    and m, l (8,) to ms[8 w, 8 w + 8), ls[8 w, 8 w + 8)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)  # (8,): a statistic per query row
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [1, 1], [1, 0])
+    TILE: gl.constexpr = W * KW
+
+    qd = gl.arange(0, D, layout=gl.SliceLayout(1, b_op))
+    qr = gl.arange(0, 8, layout=gl.SliceLayout(0, b_op))
+    q_t = gl.load(Q + q_off + qr[None, :] * D + qd[:, None])  # Q^T (D, 8)
+    ck = gl.arange(0, KW, layout=gl.SliceLayout(1, copy_l))
+    cd = gl.arange(0, D, layout=gl.SliceLayout(0, copy_l))
+    offs = base + (lo + w * KW + ck[:, None]).to(gl.int64) * stride_n + cd[None, :]
+    for i in gl.static_range(STAGES - 1):
+        ok = i < n_tiles
+        async_copy.async_copy_global_to_shared(k_ring.index(i * W + w), K + offs + i * TILE * stride_n, mask=ok)
+        async_copy.async_copy_global_to_shared(v_ring.index(i * W + w), V + offs + i * TILE * stride_n, mask=ok)
+        async_copy.commit_group()
+
+    m_i = gl.full([8], float("-inf"), gl.float32, col_l)
+    l_i = gl.zeros([8], gl.float32, col_l)
+    acc = gl.zeros([D, 8], gl.float32, mma)
+    for t in range(n_tiles):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # this warp's
+        nxt = t + STAGES - 1
+        ok = nxt < n_tiles
+        async_copy.async_copy_global_to_shared(k_ring.index(nxt % STAGES * W + w), K + offs + nxt * TILE * stride_n,
+                                               mask=ok)
+        async_copy.async_copy_global_to_shared(v_ring.index(nxt % STAGES * W + w), V + offs + nxt * TILE * stride_n,
+                                               mask=ok)
+        async_copy.commit_group()
+        slot = t % STAGES
+        s_t = mma_v2(k_ring.index(slot * W + w).load(a_op), q_t, gl.zeros([KW, 8], gl.float32, mma)) * qk_scale
+        m_new = gl.maximum(m_i, gl.max(s_t, 0))
+        p_t = gl.exp2(s_t - gl.expand_dims(m_new, 0))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p_t, 0)
+        acc = mma_v2(v_ring.index(slot * W + w).permute((1, 0)).load(a_op), gl.convert_layout(p_t.to(gl.float16), b_op),
+                     acc * gl.expand_dims(alpha, 0))
+        m_i = m_new
+    async_copy.wait_group(0)
+    states.slice(w * D, D).store(acc)
+    ms.slice(w * 8, 8).store(m_i)
+    ls.slice(w * 8, 8).store(l_i)
+
+
+@gluon.jit
+def _probe_w_idle():
+    pass
+
+
+@gluon.jit
+def probe_gluon_w(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_scale, D: gl.constexpr,
+                  KW: gl.constexpr, STAGES: gl.constexpr):
+    """g4: g2 with each of its four warps a partition of its own (gl.warp_specialize), so a tile's
+    barrier is a warp's and not the program's; the launch's four warps (the default partition, a
+    multiple of four warps) wait meanwhile and merge the states after the partitions join."""
+    W: gl.constexpr = 4
+    # layouts of one buffer: the leading dimension of each allocation picks the buffer
+    ring_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    flat1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    split = gl.program_id(0)
+    kh = gl.program_id(1)
+    b = gl.program_id(2)
+    program = (b * gl.num_programs(1) + kh) * gl.num_programs(0) + split
+    base = b.to(gl.int64) * stride_b + kh * stride_h
+    TILE: gl.constexpr = W * KW
+    per_split = gl.cdiv(gl.cdiv(s, TILE), num_splits) * TILE
+    lo = split * per_split
+    n_tiles = (gl.minimum(lo + per_split, s) - lo) // TILE
+    q_off = (b * gl.num_programs(1) + kh) * 16 * D
+    k_ring = gl.allocate_shared_memory(gl.float16, [STAGES * W, KW, D], ring_l)  # slot, warp
+    v_ring = gl.allocate_shared_memory(gl.float16, [STAGES * W, KW, D], ring_l)  # slot, warp
+    states = gl.allocate_shared_memory(gl.float32, [W * D, 8], flat2)
+    ms = gl.allocate_shared_memory(gl.float32, [W * 8], flat1)
+    ls = gl.allocate_shared_memory(gl.float32, [W * 8], flat1)
+    gl.warp_specialize([
+        (_probe_w_idle, ()),
+        (_probe_w_loop, (Q, K, V, k_ring, v_ring, states, ms, ls, base, lo, n_tiles, q_off, stride_n, qk_scale, 0, W,
+                         D, KW, STAGES)),
+        (_probe_w_loop, (Q, K, V, k_ring, v_ring, states, ms, ls, base, lo, n_tiles, q_off, stride_n, qk_scale, 1, W,
+                         D, KW, STAGES)),
+        (_probe_w_loop, (Q, K, V, k_ring, v_ring, states, ms, ls, base, lo, n_tiles, q_off, stride_n, qk_scale, 2, W,
+                         D, KW, STAGES)),
+        (_probe_w_loop, (Q, K, V, k_ring, v_ring, states, ms, ls, base, lo, n_tiles, q_off, stride_n, qk_scale, 3, W,
+                         D, KW, STAGES)),
+    ], [1, 1, 1, 1], [PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS])
+    gl.thread_barrier()
+    red: gl.constexpr = gl.BlockedLayout([W, 1, 8], [1, 32, 1], [1, 4, 1], [2, 1, 0])  # (W, D, 8)
+    st_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # (W 8,)
+    m_w = gl.reshape(ms.load(st_l), [W, 8])
+    l_w = gl.reshape(ls.load(st_l), [W, 8])
+    m = gl.max(m_w, 0)
+    scale = gl.exp2(m_w - gl.expand_dims(m, 0))
+    l = gl.sum(l_w * scale, 0)
+    scale = gl.convert_layout(scale, gl.SliceLayout(1, red))
+    acc = gl.convert_layout(gl.reshape(states.load(gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])), [W, D, 8]), red)
+    o = gl.sum(acc * gl.expand_dims(scale, 1), 0)  # (D, 8)
+    o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(0, gl.SliceLayout(0, red))), 0)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, red)))
+    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, red)))
+    gl.store(Out + program * 8 * D + r[None, :] * D + c[:, None], o.to(gl.float16))
 
 
 @gluon.jit
@@ -401,6 +520,89 @@ def probe_gluon_p(Q, K, V, Out, s, num_splits, hk, n_items, stride_b, stride_n, 
     async_copy.wait_group(0)
 
 
+@triton.jit
+def floor_heads(K, V, Out, stride_b, stride_n, stride_h, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                KH_FIRST: tl.constexpr):
+    """The read floor over one KV head's rows at a time (--access): a program reads BLOCK_N keys x
+    D of one (batch, KV head) of K and of V, as the split kernels do, and writes one number.
+    KH_FIRST: grid (KV heads, key chunks, batch), the heads of a chunk next to each other in launch
+    order; else (key chunks, KV heads, batch), the split kernels' order."""
+    if KH_FIRST:
+        kh = tl.program_id(0)
+        chunk = tl.program_id(1)
+    else:
+        chunk = tl.program_id(0)
+        kh = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = (b.to(tl.int64) * stride_b + kh * stride_h + rows[:, None].to(tl.int64) * stride_n
+            + tl.arange(0, D)[None, :])
+    x = tl.load(K + offs).to(tl.float32) + tl.load(V + offs).to(tl.float32)
+    program = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(Out + program, tl.sum(tl.sum(x, 1), 0))
+
+
+def access(spec: str) -> None:
+    """--access: the cache's access pattern against the read floor, per shape BATCHxCONTEXTxSPLITS
+    (2 KV heads of 128, fp16, rows (batch, key, KV head, d)):
+    - floor: bench decode's read floor (the bytes in address order);
+    - floor-h / floor-h-kh: the same bytes a KV head at a time, 64 keys x 128 a program (a head's
+      256 bytes of each 512-byte key row), in the split kernels' grid order / heads side by side;
+    - c2 KWxWxSTAGES: g2's ring of cp.async copies, one program per (split, KV head, batch) as the
+      Gluon split kernel, waiting for each tile and computing nothing;
+    - c2w: that ring over both heads' 512-byte rows (the cache viewed as one KV head of 256), twice
+      the splits, so as many programs of as many bytes;
+    - g2 16x4x3 (the ring with the online softmax) and flashtile, as the other rows;
+    - g4 16x4xSTAGES: g2 with each warp a partition of its own (no barrier across warps in the loop);
+      err: its output against g2's where g2's is finite (the output poisoned with NaN first; inf
+      where the two are not finite at the same places)."""
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    for item in spec.split(","):
+        b, s, splits = (int(x) for x in item.split("x"))
+        hk, d = 2, 128
+        bufs = [(torch.randn(b, s, hk, d, device="cuda", dtype=torch.float16),
+                 torch.randn(b, s, hk, d, device="cuda", dtype=torch.float16)) for _ in range(4)]
+        q = torch.randn(b * hk * 16 * d, device="cuda", dtype=torch.float16)
+        q_api = torch.randn(b, 1, 8 * hk, d, device="cuda", dtype=torch.float16)
+        lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
+        out = torch.empty(2 * b * hk * splits * 8 * d, device="cuda", dtype=torch.float32)
+        res = {"floor": graph_us(lambda k, v: _read_floor(None, k, v), bufs)}
+        for name, kh_first in (("floor-h", False), ("floor-h-kh", True)):
+            grid = (hk, s // 64, b) if kh_first else (s // 64, hk, b)
+            res[name] = graph_us(lambda k, v, grid=grid, kh_first=kh_first: floor_heads[grid](
+                k, v, out, k.stride(0), k.stride(1), k.stride(2), D=d, BLOCK_N=64, KH_FIRST=kh_first, num_warps=8),
+                bufs)
+        for stages in (3, 4, 5):
+            res[f"c2 16x4x{stages}"] = graph_us(lambda k, v, stages=stages: probe_gluon_t[(splits, hk, b)](
+                q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125, D=d, KW=16, STAGES=stages,
+                COMPUTE=False, num_warps=4), bufs)
+            res[f"c2w 8x4x{stages}"] = graph_us(lambda k, v, stages=stages: probe_gluon_t[(2 * splits, 1, b)](
+                q, k, v, out, s, 2 * splits, k.stride(0), k.stride(1), k.stride(1), 0.125, D=2 * d, KW=8,
+                STAGES=stages, COMPUTE=False, num_warps=4), bufs)
+        def run_g2(k, v):
+            probe_gluon_t[(splits, hk, b)](q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125, D=d,
+                                           KW=16, STAGES=3, num_warps=4)
+        res["g2 16x4x3"] = graph_us(run_g2, bufs)
+        out.fill_(float("nan"))
+        run_g2(*bufs[0])
+        want = out.clone()
+        for stages in (3, 4):
+            def run_g4(k, v, stages=stages):
+                probe_gluon_w[(splits, hk, b)](q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125,
+                                               D=d, KW=16, STAGES=stages, num_warps=4)
+            out.fill_(float("nan"))
+            run_g4(*bufs[0])
+            # an empty split (66 splits of 1024 tiles: the last two) leaves NaN in both
+            live = want.isfinite()
+            res[f"g4 16x4x{stages} err"] = ((out - want).abs()[live].max().item()
+                                            if bool((out.isfinite() == live).all()) else float("inf"))
+            res[f"g4 16x4x{stages}"] = graph_us(run_g4, bufs)
+        res["flashtile"] = graph_us(lambda k, v: flashtile.flash_attn_with_kvcache(
+            q_api, k, v, cache_seqlens=lens, num_splits=splits), bufs)
+        print(item, " ".join(f"{k}={v:.2f}" if "err" not in k else f"{k}={v:.1e}" for k, v in res.items()), flush=True)
+        del bufs
+
+
 def graph_us(fn, bufs, rep=40):
     for i in range(3):
         fn(*bufs[i % 4])
@@ -423,6 +625,8 @@ def graph_us(fn, bufs, rep=40):
 
 
 def main() -> None:
+    if "--access" in sys.argv:
+        return access(next((a for a in sys.argv[1:] if a != "--access"), "64x1024x1,16x4096x4,1x65536x66"))
     quick = "--quick" in sys.argv  # m0 and m1 on the split kernel's tiles only, beside the Gluon probes
     args = [a for a in sys.argv[1:] if a != "--quick"]
     spec = args[0] if args else "256x256x1,16x4096x8,8x8192x16,1x65536x128,1x131072x132"
