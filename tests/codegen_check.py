@@ -4,7 +4,7 @@
     python tests/codegen_check.py forward-sm90|backward-sm90 D [--causal] [--dropout] [--varlen] [--sink]
         (the Gluon Hopper kernels, --sink the forward only: ptxas's report)
     python tests/codegen_check.py decode D PAGE_SIZE [--append] [--launch-combine] [--fused] [--split] [--one-round] [--warps]
-        [--rotary] [--rows16]
+        [--rotary] [--rows16 | --rows32]
         (the decoding split kernel, fp16, 16 q / 2 kv heads, --fused with the merge of 64 splits in
         it, --split with the tiles of a launch that splits: registers, spills, shared memory,
         whether it lets a dependent launch start, atomics)
@@ -215,19 +215,20 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
 
 def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False, fused: bool = False,
                    split: bool = False, one_round: bool = False, warps: bool = False, rotary: bool = False,
-                   rows16: bool = False):
+                   rows: int = 8):
     """ops.decode._split_kernel as plan() launches it for an fp16 decoding step over a cache with
     16 q / 2 kv heads (one query row, one split, or with `fused` 64 splits merged by the kernel):
     int32 cache_seqlens, a block table when paged, new k/v rows to append with `append`. A launch
     that splits (split, fused, launch_combine) takes configs.decode_config's split tiles, an unsplit
     one of one round of programs (one_round) its one-round tiles. warps: _split_kernel_warps (the
     Gluon kernel) with configs.decode_warp_tiles' tiles instead; rotary: q and the new keys rotated
-    on all d dims (GPT-J pairs); rows16: with warps, its 16-row tiles (two query rows a head)."""
+    on all d dims (GPT-J pairs); rows: with warps, its tiles of 8, 16 or 32 rows (one, two or four
+    query rows a head)."""
     cfg = configs.decode_config(8, d, torch.float16, page_size, torch.device("cuda"),
                                 split=split or fused or launch_combine, one_round=one_round)
     kernel = decode._split_kernel
     if warps:
-        cfg = configs.BlockConfig(16 if rows16 else 8, 4 * configs.DECODE_WARP_KEYS * 128 // d, 4,
+        cfg = configs.BlockConfig(rows, 4 * configs.DECODE_WARP_KEYS * 128 // d, 4,
                                   configs.DECODE_WARP_STAGES)
         kernel = decode._split_kernel_warps
     names = [p.name for p in kernel.params]
@@ -348,7 +349,7 @@ if __name__ == "__main__":
     if argv[0] == "decode":
         compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv, "--launch-combine" in argv,
                                   "--fused" in argv, "--split" in argv, "--one-round" in argv, "--warps" in argv,
-                                  "--rotary" in argv, "--rows16" in argv)
+                                  "--rotary" in argv, 32 if "--rows32" in argv else 16 if "--rows16" in argv else 8)
         print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared,
                               launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
                               acq_rel_atomics=compiled.asm["ptx"].count(".acq_rel.add"))))
