@@ -23,6 +23,7 @@ four rotating caches, all in one process:
 - flashtile: flash_attn_with_kvcache(cache_seqlens=..., num_splits=SPLITS), merge included.
 Tiles are BLOCK_N x warps x stages; 64 x 4 x 2 is what the split kernel takes.
 """
+import itertools
 import sys
 
 import torch
@@ -31,6 +32,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 import flashtile
 from flashtile.bench.decode import _read_floor
@@ -40,7 +43,8 @@ MODES = (0, 1, 2, 3)
 GLUON_TILES = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (32, 4, 2), (16, 8, 2))  # keys a warp, warps, stages
 # g3's: keys a warp, warps, stages, programs an SM (its grid: min(items, this x SMs)); shared memory
 # 141 / 182 KB at 3 / 4 stages (a q ring of its own beside the keys'), 100 KB at 2: two fit an SM
-PROBE_W_REGS = gl.constexpr(168)  # each of g4's three worker warps (the default partition keeps the launch's)
+PROBE_W_REGS = gl.constexpr(168)  # each of g4's and g5's compute warps (the default partition keeps the launch's)
+PROBE_LOAD_REGS = gl.constexpr(80)  # g5's loader warp
 G3_TILES = ((16, 4, 3, 1), (16, 4, 4, 1), (16, 4, 2, 2))
 
 
@@ -212,11 +216,11 @@ def probe_gluon(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_sc
 
 @gluon.jit
 def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_scale, D: gl.constexpr,
-                  KW: gl.constexpr, STAGES: gl.constexpr, COMPUTE: gl.constexpr = True):
+                  KW: gl.constexpr, STAGES: gl.constexpr, COMPUTE: gl.constexpr = True, PARTS: gl.constexpr = 3):
     """probe_gluon with the products turned round, S^T = K Q^T and O^T = V^T P^T, on the 8 real rows
     (the MMA's N is 8): no padded rows, so half the multiplies and a 32-register accumulator.
     COMPUTE False (--access's c2): the ring of copies alone, every tile waited for and nothing done
-    with it; the output is the zero state's (not checked)."""
+    with it; the output is the zero state's (not checked). PARTS: _probe_t_step's pieces."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -266,7 +270,8 @@ def probe_gluon_t(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_
         async_copy.commit_group()
         if COMPUTE:
             slot = t % STAGES
-            m_i, l_i, acc = _probe_t_step(k_ring.index(slot), v_ring.index(slot), q_t, m_i, l_i, acc, qk_scale, KW)
+            m_i, l_i, acc = _probe_t_step(k_ring.index(slot), v_ring.index(slot), q_t, m_i, l_i, acc, qk_scale, KW,
+                                          PARTS)
     async_copy.wait_group(0)
 
     o_smem = gl.allocate_shared_memory(gl.float32, [W, D, 8],
@@ -330,6 +335,26 @@ def _probe_w_loop(Q, K, V, k_ring, v_ring, states, ms, ls, base, lo, n_tiles, q_
 
 
 @gluon.jit
+def _probe_w_merge(states, ms, ls, Out, W: gl.constexpr, D: gl.constexpr):
+    """g4's and g5's end, on the launch's four warps: the compute warps' states (states (W D, 8),
+    ms and ls (W 8,)) onto their common max and summed, the 8 rows' output stored at Out (8, D)."""
+    red: gl.constexpr = gl.BlockedLayout([W, 1, 8], [1, 32, 1], [1, 4, 1], [2, 1, 0])  # (W, D, 8)
+    st_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # (W 8,)
+    m_w = gl.reshape(ms.load(st_l), [W, 8])
+    l_w = gl.reshape(ls.load(st_l), [W, 8])
+    m = gl.max(m_w, 0)
+    scale = gl.exp2(m_w - gl.expand_dims(m, 0))
+    l = gl.sum(l_w * scale, 0)
+    scale = gl.convert_layout(scale, gl.SliceLayout(1, red))
+    acc = gl.convert_layout(gl.reshape(states.load(gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])), [W, D, 8]), red)
+    o = gl.sum(acc * gl.expand_dims(scale, 1), 0)  # (D, 8)
+    o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(0, gl.SliceLayout(0, red))), 0)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, red)))
+    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, red)))
+    gl.store(Out + r[None, :] * D + c[:, None], o.to(gl.float16))
+
+
+@gluon.jit
 def _probe_w_idle():
     pass
 
@@ -372,34 +397,193 @@ def probe_gluon_w(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_
                          D, KW, STAGES)),
     ], [1, 1, 1, 1], [PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS])
     gl.thread_barrier()
-    red: gl.constexpr = gl.BlockedLayout([W, 1, 8], [1, 32, 1], [1, 4, 1], [2, 1, 0])  # (W, D, 8)
-    st_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # (W 8,)
-    m_w = gl.reshape(ms.load(st_l), [W, 8])
-    l_w = gl.reshape(ls.load(st_l), [W, 8])
-    m = gl.max(m_w, 0)
-    scale = gl.exp2(m_w - gl.expand_dims(m, 0))
-    l = gl.sum(l_w * scale, 0)
-    scale = gl.convert_layout(scale, gl.SliceLayout(1, red))
-    acc = gl.convert_layout(gl.reshape(states.load(gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])), [W, D, 8]), red)
-    o = gl.sum(acc * gl.expand_dims(scale, 1), 0)  # (D, 8)
-    o = o / gl.expand_dims(gl.convert_layout(l, gl.SliceLayout(0, gl.SliceLayout(0, red))), 0)
-    c = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, red)))
-    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, red)))
-    gl.store(Out + program * 8 * D + r[None, :] * D + c[:, None], o.to(gl.float16))
+    _probe_w_merge(states, ms, ls, Out + program * 8 * D, W, D)
 
 
 @gluon.jit
-def _probe_t_step(k_slot, v_slot, q_t, m_i, l_i, acc, qk_scale, KW: gl.constexpr):
+def _probe_ws_load(K, V, k_ring, v_ring, full, empty, base, lo, n_tiles, stride_n, W: gl.constexpr, D: gl.constexpr,
+                   KW: gl.constexpr, STAGES: gl.constexpr):
+    """g5's loader, a partition of one warp: tile t's keys into slot t % STAGES (warp w's KW of them
+    at k_ring[(t % STAGES) W + w]) once the four compute warps have handed the slot back (empty),
+    each lane's copies counted on full[slot] as they land (cp.async's mbarrier arrive)."""
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [1, 1], [1, 0])
+    TILE: gl.constexpr = W * KW
+    ck = gl.arange(0, KW, layout=gl.SliceLayout(1, copy_l))
+    cd = gl.arange(0, D, layout=gl.SliceLayout(0, copy_l))
+    offs = base + (lo + ck[:, None]).to(gl.int64) * stride_n + cd[None, :]
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        for w in gl.static_range(W):
+            rows = (t * TILE + w * KW) * stride_n
+            async_copy.async_copy_global_to_shared(k_ring.index(slot * W + w), K + offs + rows)
+            async_copy.async_copy_global_to_shared(v_ring.index(slot * W + w), V + offs + rows)
+        async_copy.mbarrier_arrive(full.index(slot), increment_count=False)  # the arrival of this lane
+
+
+@gluon.jit
+def _probe_ws_compute(Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, w: gl.constexpr,
+                      W: gl.constexpr, D: gl.constexpr, KW: gl.constexpr, STAGES: gl.constexpr,
+                      TMA: gl.constexpr = False, COMPUTE: gl.constexpr = True):
+    """g5's compute warp w, a partition of one warp: g4's online softmax over its KW keys of each
+    tile, waiting for the slot's copies (full) and handing the slot back after its P V (empty).
+    TMA (g6): a slot is one TMA box of the tile's W KW keys (1, W KW, 1, D), warp w's the rows
+    [w KW, (w + 1) KW) of it. COMPUTE False (c6): each slot waited for and handed back, nothing
+    computed."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    qd = gl.arange(0, D, layout=gl.SliceLayout(1, b_op))
+    qr = gl.arange(0, 8, layout=gl.SliceLayout(0, b_op))
+    q_t = gl.load(Q + q_off + qr[None, :] * D + qd[:, None])
+    m_i = gl.full([8], float("-inf"), gl.float32, col_l)
+    l_i = gl.zeros([8], gl.float32, col_l)
+    acc = gl.zeros([D, 8], gl.float32, mma)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(full.index(slot), (t // STAGES) & 1)
+        if COMPUTE:
+            if TMA:
+                k_slot = k_ring.index(slot).reshape([W * KW, D]).slice(w * KW, KW)
+                v_slot = v_ring.index(slot).reshape([W * KW, D]).slice(w * KW, KW)
+            else:
+                k_slot = k_ring.index(slot * W + w)
+                v_slot = v_ring.index(slot * W + w)
+            s_t = mma_v2(k_slot.load(a_op), q_t, gl.zeros([KW, 8], gl.float32, mma)) * qk_scale
+            m_new = gl.maximum(m_i, gl.max(s_t, 0))
+            p_t = gl.exp2(s_t - gl.expand_dims(m_new, 0))
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p_t, 0)
+            acc = mma_v2(v_slot.permute((1, 0)).load(a_op), gl.convert_layout(p_t.to(gl.float16), b_op),
+                         acc * gl.expand_dims(alpha, 0))
+            m_i = m_new
+        mbarrier.arrive(empty.index(slot), count=1)
+    states.slice(w * D, D).store(acc)
+    ms.slice(w * 8, 8).store(m_i)
+    ls.slice(w * 8, 8).store(l_i)
+
+
+@gluon.jit
+def probe_gluon_ws(Q, K, V, Out, s, num_splits, stride_b, stride_n, stride_h, qk_scale, D: gl.constexpr,
+                   KW: gl.constexpr, STAGES: gl.constexpr):
+    """g5: g4's four compute warps fed by a loader warp of their own through per-slot mbarriers, so
+    a slot is refilled as soon as the four have read it and no compute warp issues a copy; the
+    launch's four warps wait meanwhile and merge the states as g4's."""
+    W: gl.constexpr = 4
+    ring_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    flat1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    split = gl.program_id(0)
+    kh = gl.program_id(1)
+    b = gl.program_id(2)
+    program = (b * gl.num_programs(1) + kh) * gl.num_programs(0) + split
+    base = b.to(gl.int64) * stride_b + kh * stride_h
+    TILE: gl.constexpr = W * KW
+    per_split = gl.cdiv(gl.cdiv(s, TILE), num_splits) * TILE
+    lo = split * per_split
+    n_tiles = (gl.minimum(lo + per_split, s) - lo) // TILE
+    q_off = (b * gl.num_programs(1) + kh) * 16 * D
+    k_ring = gl.allocate_shared_memory(gl.float16, [STAGES * W, KW, D], ring_l)
+    v_ring = gl.allocate_shared_memory(gl.float16, [STAGES * W, KW, D], ring_l)
+    states = gl.allocate_shared_memory(gl.float32, [W * D, 8], flat2)
+    ms = gl.allocate_shared_memory(gl.float32, [W * 8], flat1)
+    ls = gl.allocate_shared_memory(gl.float32, [W * 8], flat1)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=32)  # the loader's lanes, each when its copies land
+        mbarrier.init(empty.index(i), count=W)
+    gl.warp_specialize([
+        (_probe_w_idle, ()),
+        (_probe_ws_load, (K, V, k_ring, v_ring, full, empty, base, lo, n_tiles, stride_n, W, D, KW, STAGES)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 0, W, D, KW,
+                             STAGES)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 1, W, D, KW,
+                             STAGES)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 2, W, D, KW,
+                             STAGES)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 3, W, D, KW,
+                             STAGES)),
+    ], [1, 1, 1, 1, 1], [PROBE_LOAD_REGS, PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS])
+    gl.thread_barrier()
+    _probe_w_merge(states, ms, ls, Out + program * 8 * D, W, D)
+
+
+@gluon.jit
+def _probe_tma_load(k_desc, v_desc, k_ring, v_ring, full, empty, b, kh, lo, n_tiles, TILE: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """g6's loader, a partition of one warp: tile t's K and V as one TMA box each into slot
+    t % STAGES once the compute warps have handed it back (empty); full[slot] counts the bytes."""
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(slot), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, lo + t * TILE, kh, 0], full.index(slot), k_ring.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, lo + t * TILE, kh, 0], full.index(slot), v_ring.index(slot))
+
+
+@gluon.jit
+def probe_gluon_tma(Q, k_desc, v_desc, Out, s, num_splits, qk_scale, D: gl.constexpr, KW: gl.constexpr,
+                    STAGES: gl.constexpr, COMPUTE: gl.constexpr = True):
+    """g6: g5 with each tile's K and V copied by the TMA engine, one box of the tile's keys
+    (1, 4 KW, 1, D) each, issued by the loader warp (k_desc / v_desc over the (b, s, hk, d) cache)."""
+    W: gl.constexpr = 4
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    flat1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    split = gl.program_id(0)
+    kh = gl.program_id(1)
+    b = gl.program_id(2)
+    program = (b * gl.num_programs(1) + kh) * gl.num_programs(0) + split
+    TILE: gl.constexpr = W * KW
+    per_split = gl.cdiv(gl.cdiv(s, TILE), num_splits) * TILE
+    lo = split * per_split
+    n_tiles = (gl.minimum(lo + per_split, s) - lo) // TILE
+    q_off = (b * gl.num_programs(1) + kh) * 16 * D
+    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    states = gl.allocate_shared_memory(gl.float32, [W * D, 8], flat2)
+    ms = gl.allocate_shared_memory(gl.float32, [W * 8], flat1)
+    ls = gl.allocate_shared_memory(gl.float32, [W * 8], flat1)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=W)
+    gl.warp_specialize([
+        (_probe_w_idle, ()),
+        (_probe_tma_load, (k_desc, v_desc, k_ring, v_ring, full, empty, b, kh, lo, n_tiles, TILE, STAGES)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 0, W, D, KW,
+                             STAGES, True, COMPUTE)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 1, W, D, KW,
+                             STAGES, True, COMPUTE)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 2, W, D, KW,
+                             STAGES, True, COMPUTE)),
+        (_probe_ws_compute, (Q, k_ring, v_ring, full, empty, states, ms, ls, n_tiles, q_off, qk_scale, 3, W, D, KW,
+                             STAGES, True, COMPUTE)),
+    ], [1, 1, 1, 1, 1], [PROBE_LOAD_REGS, PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS, PROBE_W_REGS])
+    gl.thread_barrier()
+    _probe_w_merge(states, ms, ls, Out + program * 8 * D, W, D)
+
+
+@gluon.jit
+def _probe_t_step(k_slot, v_slot, q_t, m_i, l_i, acc, qk_scale, KW: gl.constexpr, PARTS: gl.constexpr = 3):
     """g2's and g3's online softmax over one tile (k_slot, v_slot (W, KW, D) in shared memory),
-    the products turned round: S^T = K Q^T, O^T = V^T P^T on the 8 real rows -> (m_i, l_i, acc)."""
+    the products turned round: S^T = K Q^T, O^T = V^T P^T on the 8 real rows -> (m_i, l_i, acc).
+    PARTS (--access's pieces): 1 S^T and its row max only, 2 the softmax too (l summed, no P V),
+    3 all of it."""
     mma: gl.constexpr = acc.type.layout
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     s_t = mma_v2(k_slot.load(a_op), q_t, gl.zeros([gl.num_warps(), KW, 8], gl.float32, mma)) * qk_scale
     m_new = gl.maximum(m_i, gl.max(s_t, 1))
+    if PARTS == 1:
+        return m_new, l_i, acc
     p_t = gl.exp2(s_t - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p_t, 1)
+    if PARTS == 2:
+        return m_new, l_i, acc
     acc = mma_v2(v_slot.permute((0, 2, 1)).load(a_op), gl.convert_layout(p_t.to(gl.float16), b_op),
                  acc * gl.expand_dims(alpha, 1))
     return m_new, l_i, acc
@@ -552,8 +736,11 @@ def access(spec: str) -> None:
       Gluon split kernel, waiting for each tile and computing nothing;
     - c2w: that ring over both heads' 512-byte rows (the cache viewed as one KV head of 256), twice
       the splits, so as many programs of as many bytes;
-    - g2 16x4x3 (the ring with the online softmax) and flashtile, as the other rows;
+    - g2 16x4x3 (the ring with the online softmax) and flashtile, as the other rows; g2-s: its loop
+      with S^T = K Q^T and the row max only, g2-softmax: with the softmax but no P V;
     - g4 16x4xSTAGES: g2 with each warp a partition of its own (no barrier across warps in the loop);
+      g5: g4's warps fed by a loader warp through per-slot mbarriers; g6: g5 with TMA copies, c6: g6's
+      ring alone (each slot waited for and handed back);
       err: its output against g2's where g2's is finite (the output poisoned with NaN first; inf
       where the two are not finite at the same places)."""
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
@@ -583,20 +770,40 @@ def access(spec: str) -> None:
             probe_gluon_t[(splits, hk, b)](q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125, D=d,
                                            KW=16, STAGES=3, num_warps=4)
         res["g2 16x4x3"] = graph_us(run_g2, bufs)
+        for parts, name in ((1, "g2-s"), (2, "g2-softmax")):
+            res[f"{name} 16x4x3"] = graph_us(lambda k, v, parts=parts: probe_gluon_t[(splits, hk, b)](
+                q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125, D=d, KW=16, STAGES=3,
+                PARTS=parts, num_warps=4), bufs)
         out.fill_(float("nan"))
         run_g2(*bufs[0])
         want = out.clone()
-        for stages in (3, 4):
-            def run_g4(k, v, stages=stages):
-                probe_gluon_w[(splits, hk, b)](q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125,
-                                               D=d, KW=16, STAGES=stages, num_warps=4)
+        for (name, kernel), stages in itertools.product((("g4", probe_gluon_w), ("g5", probe_gluon_ws)), (3, 4)):
+            def run_g(k, v, kernel=kernel, stages=stages):
+                kernel[(splits, hk, b)](q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125, D=d,
+                                        KW=16, STAGES=stages, num_warps=4)
             out.fill_(float("nan"))
-            run_g4(*bufs[0])
+            run_g(*bufs[0])
             # an empty split (66 splits of 1024 tiles: the last two) leaves NaN in both
             live = want.isfinite()
-            res[f"g4 16x4x{stages} err"] = ((out - want).abs()[live].max().item()
+            res[f"{name} 16x4x{stages} err"] = ((out - want).abs()[live].max().item()
+                                                if bool((out.isfinite() == live).all()) else float("inf"))
+            res[f"{name} 16x4x{stages}"] = graph_us(run_g, bufs)
+        box_l = gl.NVMMASharedLayout.get_default_for([1, 64, 1, d], gl.float16)
+        descs = {x.data_ptr(): TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 64, 1, d], box_l)
+                 for pair in bufs for x in pair}
+        for stages in (3, 4):
+            def run_g6(k, v, stages=stages):
+                probe_gluon_tma[(splits, hk, b)](q, descs[k.data_ptr()], descs[v.data_ptr()], out, s, splits, 0.125,
+                                                 D=d, KW=16, STAGES=stages, num_warps=4)
+            out.fill_(float("nan"))
+            run_g6(*bufs[0])
+            live = want.isfinite()
+            res[f"g6 16x4x{stages} err"] = ((out - want).abs()[live].max().item()
                                             if bool((out.isfinite() == live).all()) else float("inf"))
-            res[f"g4 16x4x{stages}"] = graph_us(run_g4, bufs)
+            res[f"g6 16x4x{stages}"] = graph_us(run_g6, bufs)
+            res[f"c6 16x4x{stages}"] = graph_us(lambda k, v, stages=stages: probe_gluon_tma[(splits, hk, b)](
+                q, descs[k.data_ptr()], descs[v.data_ptr()], out, s, splits, 0.125, D=d, KW=16, STAGES=stages,
+                COMPUTE=False, num_warps=4), bufs)
         res["flashtile"] = graph_us(lambda k, v: flashtile.flash_attn_with_kvcache(
             q_api, k, v, cache_seqlens=lens, num_splits=splits), bufs)
         print(item, " ".join(f"{k}={v:.2f}" if "err" not in k else f"{k}={v:.1e}" for k, v in res.items()), flush=True)
