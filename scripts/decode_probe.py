@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/decode_probe.py [BATCHxCONTEXTxSPLITS,...] [--quick]
     PYTHONPATH=src python scripts/decode_probe.py --access [BATCHxCONTEXTxSPLITS,...]
+    PYTHONPATH=src ncu ... python scripts/decode_probe.py --ncu [BATCHxCONTEXTxSPLITS]
 
 Per shape (fp16, 2 KV heads of 128, 8 query rows a KV head), device time by CUDA-graph replay over
 four rotating caches, all in one process:
@@ -831,7 +832,26 @@ def graph_us(fn, bufs, rep=40):
     return min(times)
 
 
+def ncu_targets(spec: str) -> None:
+    """--ncu: the read floor, c2, g2-s and g2 of --access launched eagerly, three times each, on the
+    first shape of spec (for a profiler: ncu -k regex:'read_floor|probe_gluon_t')."""
+    b, s, splits = (int(x) for x in spec.split(",")[0].split("x"))
+    hk, d = 2, 128
+    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    q = torch.randn(b * hk * 16 * d, device="cuda", dtype=torch.float16)
+    out = torch.empty(b * hk * splits * 8 * d, device="cuda", dtype=torch.float32)
+    for _ in range(3):
+        _read_floor(None, k, v)
+    for compute, parts in ((False, 3), (True, 1), (True, 3)):
+        for _ in range(3):
+            probe_gluon_t[(splits, hk, b)](q, k, v, out, s, splits, k.stride(0), k.stride(1), k.stride(2), 0.125,
+                                           D=d, KW=16, STAGES=3, COMPUTE=compute, PARTS=parts, num_warps=4)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
+    if "--ncu" in sys.argv:
+        return ncu_targets(next((a for a in sys.argv[1:] if a != "--ncu"), "64x1024x1"))
     if "--access" in sys.argv:
         return access(next((a for a in sys.argv[1:] if a != "--access"), "64x1024x1,16x4096x4,1x65536x66"))
     quick = "--quick" in sys.argv  # m0 and m1 on the split kernel's tiles only, beside the Gluon probes
