@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/decode_probe.py [BATCHxCONTEXTxSPLITS,...] [--quick]
     PYTHONPATH=src python scripts/decode_probe.py --access [BATCHxCONTEXTxSPLITS,...]
+    PYTHONPATH=src python scripts/decode_probe.py --pages [BATCHxCONTEXTxSPLITS,...]
     PYTHONPATH=src ncu ... python scripts/decode_probe.py --ncu [BATCHxCONTEXTxSPLITS]
 
 Per shape (fp16, 2 KV heads of 128, 8 query rows a KV head), device time by CUDA-graph replay over
@@ -811,6 +812,63 @@ def access(spec: str) -> None:
         del bufs
 
 
+@triton.jit
+def floor_pages(K, V, Table, Out, n_keys, num_splits, stride_tb, stride_p, stride_n, stride_h, D: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """The read floor through a page table (--pages): a program reads its split of one (batch, KV
+    head)'s keys, BLOCK_N at a time, each key's row through its page's index (a gather when PAGE <
+    BLOCK_N), as _split_kernel's loop does without its products; it writes one number. Grid
+    (splits, KV heads, batch)."""
+    split = tl.program_id(0)
+    kh = tl.program_id(1)
+    b = tl.program_id(2)
+    per_split = n_keys // num_splits
+    acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for start in range(split * per_split, (split + 1) * per_split, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        page = tl.load(Table + b * stride_tb + pos // PAGE)
+        offs = (page.to(tl.int64) * stride_p + (pos % PAGE) * stride_n + kh * stride_h)[:, None] + tl.arange(0, D)[None, :]
+        acc += tl.load(K + offs).to(tl.float32) + tl.load(V + offs).to(tl.float32)
+    program = (b * tl.num_programs(1) + kh) * tl.num_programs(0) + split
+    tl.store(Out + program, tl.sum(tl.sum(acc, 1), 0))
+
+
+def pages(spec: str) -> None:
+    """--pages: what a paged cache costs by where its pages lie, per shape BATCHxCONTEXTxSPLITS (2 KV
+    heads of 128, 16 query heads, fp16): the pages of 16 and 64 tokens in order (page p of sequence
+    b at b x pages + p: the contiguous cache's bytes in its order) or in a random order (bench
+    decode's tables: a permutation of all pages), read by floor_pages (64-key tiles, 2 / 3 stages)
+    and by flashtile (num_splits=SPLITS); floor and flashtile contiguous beside them."""
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    for item in spec.split(","):
+        b, s, splits = (int(x) for x in item.split("x"))
+        hk, d = 2, 128
+        bufs = [(torch.randn(b, s, hk, d, device="cuda", dtype=torch.float16),
+                 torch.randn(b, s, hk, d, device="cuda", dtype=torch.float16)) for _ in range(4)]
+        q_api = torch.randn(b, 1, 8 * hk, d, device="cuda", dtype=torch.float16)
+        lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
+        out = torch.empty(b * hk * splits, device="cuda", dtype=torch.float32)
+        res = {"floor": graph_us(lambda k, v: _read_floor(None, k, v), bufs),
+               "flashtile": graph_us(lambda k, v: flashtile.flash_attn_with_kvcache(
+                   q_api, k, v, cache_seqlens=lens, num_splits=splits), bufs)}
+        for page in (16, 64):
+            n = s // page
+            for order, table in (("in-order", torch.arange(b * n, device="cuda")),
+                                 ("random", torch.randperm(b * n, device="cuda"))):
+                table = table.view(b, n).int()
+                views = {k.data_ptr(): (k.view(-1, page, hk, d), v.view(-1, page, hk, d)) for k, v in bufs}
+                for stages in (2, 3):
+                    res[f"floor-p{page}-{order} 64x4x{stages}"] = graph_us(
+                        lambda k, v, table=table, stages=stages, page=page: floor_pages[(splits, hk, b)](
+                            k, v, table, out, s, splits, table.stride(0), page * hk * d, hk * d, d, D=d, BLOCK_N=64,
+                            PAGE=page, num_warps=4, num_stages=stages), bufs)
+                res[f"flashtile-p{page}-{order}"] = graph_us(
+                    lambda k, v, table=table, views=views: flashtile.flash_attn_with_kvcache(
+                        q_api, *views[k.data_ptr()], cache_seqlens=lens, block_table=table, num_splits=splits), bufs)
+        print(item, " ".join(f"{k}={v:.2f}" for k, v in res.items()), flush=True)
+        del bufs
+
+
 def graph_us(fn, bufs, rep=40):
     for i in range(3):
         fn(*bufs[i % 4])
@@ -852,6 +910,8 @@ def ncu_targets(spec: str) -> None:
 def main() -> None:
     if "--ncu" in sys.argv:
         return ncu_targets(next((a for a in sys.argv[1:] if a != "--ncu"), "64x1024x1"))
+    if "--pages" in sys.argv:
+        return pages(next((a for a in sys.argv[1:] if a != "--pages"), "256x256x1,128x256x1,64x1024x1,16x4096x4"))
     if "--access" in sys.argv:
         return access(next((a for a in sys.argv[1:] if a != "--access"), "64x1024x1,16x4096x4,1x65536x66"))
     quick = "--quick" in sys.argv  # m0 and m1 on the split kernel's tiles only, beside the Gluon probes

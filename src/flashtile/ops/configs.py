@@ -542,7 +542,10 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
             return BlockConfig(block_m, 16, 4, 3)
         if one_round:
             return BlockConfig(block_m, 128, 4, 2)
-    return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 2)
+    # paged, 3 stages: the pipeliner then reads a tile's page indices (into shared memory) a tile
+    # before its keys, which keep their one buffer (the same shared memory as 2 stages): 256 x 256
+    # with 64-token pages 20.9 us against 21.1-21.2 (H200, benchmarks/results/h200/ab_decode_page_masks.txt)
+    return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 3 if page_size and bd <= 128 else 2)
 
 
 def decode_tiles(rows: int, d: int, dtype: torch.dtype, page_size: int, device: torch.device, kv_rows: int,

@@ -255,7 +255,7 @@ def _split_kernel(
     The API checks the index values whenever it can read them; under CUDA-graph capture it cannot,
     so every index is clamped into the tensors it addresses: cache_seqlens to [0, capacity],
     cache_leftpad to [0, cache_seqlens], key positions to [0, capacity); a page index outside
-    k_cache (cache_rows pages) masks its keys, and a cache_batch_idx outside k_cache (cache_rows
+    k_cache (cache_rows pages) makes its keys read nothing (keys of zeros), and a cache_batch_idx outside k_cache (cache_rows
     sequences) leaves its row with no keys. New rows at positions outside [0, capacity), on pages
     outside k_cache or of a sequence outside it are not written. Such rows get an output that
     means nothing, but nothing outside the cache, the page table or the rotary tables is read or
@@ -324,10 +324,12 @@ def _split_kernel(
     for start_n in range(blk_start * BLOCK_N, blk_end * BLOCK_N, BLOCK_N):
         pos = start_n + tl.arange(0, BLOCK_N)
         key_ok = (pos >= lo) & (pos < hi)
-        # with pages a multiple of the tile, the tile lies inside one page: one page index per tile
-        key_ok, k_rows, v_rows = _cache_rows(pos, start_n, key_ok, table, cache_rows, stride_kb, stride_kn,
-                                             stride_vb, stride_vn, stride_tp, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
-        kv_mask = key_ok[:, None]
+        # with pages a multiple of the tile, the tile lies inside one page: one page index per tile.
+        # A key on a page outside k_cache reads zeros but stays in the scores (as in
+        # _split_kernel_warps): the page indices are needed only where the tile's addresses are
+        read_ok, k_rows, v_rows = _cache_rows(pos, start_n, key_ok, table, cache_rows, stride_kb, stride_kn,
+                                              stride_vb, stride_vn, stride_tp, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
+        kv_mask = read_ok[:, None]
         if not EVEN_D:
             kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
@@ -397,7 +399,7 @@ def _split_kernel_warps(
     16, and P^T goes from the first product's accumulator into the second's operand in registers.
     Key ranges, the append, rotary, masks, pages and the epilogue are _split_kernel's, through the
     same helpers, but for a key on a page outside k_cache (an unchecked block_table under CUDA-graph
-    capture): it reads nothing, as there, and counts as a key of zeros where _split_kernel drops it."""
+    capture): it reads nothing and counts as a key of zeros, as there."""
     gl.static_assert(EVEN_D, "whole 16-byte rows only")
     W: gl.constexpr = gl.num_warps()
     KW: gl.constexpr = BLOCK_N // W  # keys a warp takes of each tile
