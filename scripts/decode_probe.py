@@ -827,7 +827,8 @@ def floor_pages(K, V, Table, Out, n_keys, num_splits, stride_tb, stride_p, strid
     for start in range(split * per_split, (split + 1) * per_split, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         page = tl.load(Table + b * stride_tb + pos // PAGE)
-        offs = (page.to(tl.int64) * stride_p + (pos % PAGE) * stride_n + kh * stride_h)[:, None] + tl.arange(0, D)[None, :]
+        rows = page.to(tl.int64) * stride_p + (pos % PAGE) * stride_n + kh * stride_h
+        offs = rows[:, None] + tl.arange(0, D)[None, :]
         acc += tl.load(K + offs).to(tl.float32) + tl.load(V + offs).to(tl.float32)
     program = (b * tl.num_programs(1) + kh) * tl.num_programs(0) + split
     tl.store(Out + program, tl.sum(tl.sum(acc, 1), 0))

@@ -483,8 +483,8 @@ class DecodePlan:
     planning (in place, or under capture, where nothing is checked) are not checked: the kernels
     then clamp every index into the tensors it addresses - new rows at positions outside the
     cache, on a page index outside k_cache, or for a cache_batch_idx outside k_cache are not
-    written; a row reads only cache positions in [0, capacity), reading keys on pages outside k_cache as zeros;
-    rotary positions outside the tables are not rotated.
+    written; a row reads only cache positions in [0, capacity), and keys on pages outside k_cache
+    as zeros; rotary positions outside the tables are not rotated.
     The outputs of such rows mean nothing, but nothing outside the given tensors is read or written.
     """
 

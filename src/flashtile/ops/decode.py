@@ -254,9 +254,9 @@ def _split_kernel(
 
     The API checks the index values whenever it can read them; under CUDA-graph capture it cannot,
     so every index is clamped into the tensors it addresses: cache_seqlens to [0, capacity],
-    cache_leftpad to [0, cache_seqlens], key positions to [0, capacity); a page index outside
-    k_cache (cache_rows pages) makes its keys read nothing (keys of zeros), and a cache_batch_idx outside k_cache (cache_rows
-    sequences) leaves its row with no keys. New rows at positions outside [0, capacity), on pages
+    cache_leftpad to [0, cache_seqlens], key positions to [0, capacity); a key on a page outside
+    k_cache (cache_rows pages) reads nothing and counts as a key of zeros, and a cache_batch_idx
+    outside k_cache (cache_rows sequences) leaves its row with no keys. New rows at positions outside [0, capacity), on pages
     outside k_cache or of a sequence outside it are not written. Such rows get an output that
     means nothing, but nothing outside the cache, the page table or the rotary tables is read or
     written.
@@ -325,8 +325,8 @@ def _split_kernel(
         pos = start_n + tl.arange(0, BLOCK_N)
         key_ok = (pos >= lo) & (pos < hi)
         # with pages a multiple of the tile, the tile lies inside one page: one page index per tile.
-        # A key on a page outside k_cache reads zeros but stays in the scores (as in
-        # _split_kernel_warps): the page indices are needed only where the tile's addresses are
+        # A key on a page outside k_cache reads zeros but stays in the scores, so the page indices
+        # are needed only in the layout of the tile's addresses
         read_ok, k_rows, v_rows = _cache_rows(pos, start_n, key_ok, table, cache_rows, stride_kb, stride_kn,
                                               stride_vb, stride_vn, stride_tp, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
         kv_mask = read_ok[:, None]
@@ -398,8 +398,7 @@ def _split_kernel_warps(
     Q^T and O^T = V^T P^T, so the query rows are the MMA's N side, 8 at a time: no rows padded to
     16, and P^T goes from the first product's accumulator into the second's operand in registers.
     Key ranges, the append, rotary, masks, pages and the epilogue are _split_kernel's, through the
-    same helpers, but for a key on a page outside k_cache (an unchecked block_table under CUDA-graph
-    capture): it reads nothing and counts as a key of zeros, as there."""
+    same helpers."""
     gl.static_assert(EVEN_D, "whole 16-byte rows only")
     W: gl.constexpr = gl.num_warps()
     KW: gl.constexpr = BLOCK_N // W  # keys a warp takes of each tile
