@@ -19,20 +19,25 @@ import re
 import sys
 
 
-def main(path: str, lo: int | None = None, hi: int | None = None) -> None:
+def instructions(path: str) -> tuple[str, list]:
+    """(kernel name, [(byte offset from the code's start, opcode, samples, times executed,
+    {stall reason: samples})]) of an ncu source export, one entry per SASS instruction."""
     rows = list(csv.reader(open(path)))
     header, data = rows[1], rows[2:]
     col = {h: i for i, h in enumerate(header)}
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
     base = int(data[0][0], 16)
+    return rows[0][1], [(int(r[0], 16) - base, re.sub(r"^@!?U?P\w+\s+", "", r[1].strip()).split(" ")[0].split(".")[0],
+                         int(r[col["# Samples"]] or 0), int(r[col["Instructions Executed"]] or 0),
+                         {h[6:]: int(r[col[h]] or 0) for h in reasons}) for r in data]
+
+
+def main(path: str, lo: int | None = None, hi: int | None = None) -> None:
     windows = collections.defaultdict(collections.Counter)
     by_op = collections.defaultdict(collections.Counter)
-    for r in data:
-        offset = int(r[0], 16) - base
-        counts = {h[6:]: int(r[col[h]] or 0) for h in reasons}
+    for offset, op, _, _, counts in instructions(path)[1]:
         windows[offset // 0x800].update(counts)
         if lo is not None and lo <= offset < hi:
-            op = re.sub(r"^@!?U?P\w+\s+", "", r[1].strip()).split(" ")[0].split(".")[0]
             by_op[op].update(counts)
     for w, c in sorted(windows.items()):
         if sum(c.values()) > 500:
@@ -43,18 +48,14 @@ def main(path: str, lo: int | None = None, hi: int | None = None) -> None:
 
 
 def totals(path: str) -> None:
-    rows = list(csv.reader(open(path)))
-    header, data = rows[1], rows[2:]
-    col = {h: i for i, h in enumerate(header)}
-    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    name, code = instructions(path)
     by_op, by_reason, executed = collections.Counter(), collections.Counter(), collections.Counter()
-    for r in data:
-        op = re.sub(r"^@!?U?P\w+\s+", "", r[1].strip()).split(" ")[0].split(".")[0]
-        by_op[op] += int(r[col["# Samples"]] or 0)
-        executed[op] += int(r[col["Instructions Executed"]] or 0)
-        by_reason.update({h[6:]: int(r[col[h]] or 0) for h in reasons})
+    for _, op, samples, times, counts in code:
+        by_op[op] += samples
+        executed[op] += times
+        by_reason.update(counts)
     n = sum(by_op.values())
-    print(f"{path}: {rows[0][1]}; {sum(executed.values()) / 1e6:.1f}M warp instructions, "
+    print(f"{path}: {name}; {sum(executed.values()) / 1e6:.1f}M warp instructions, "
           f"{executed['HGMMA'] / 1e6:.1f}M HGMMA; {n} samples")
     print("  by opcode %:", ", ".join(f"{k} {100 * v / n:.1f}" for k, v in by_op.most_common(12)))
     print("  by reason %:", ", ".join(f"{k} {100 * v / n:.1f}" for k, v in by_reason.most_common(9)))

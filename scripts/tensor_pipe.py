@@ -10,8 +10,9 @@ cycles as a share of its peak over the cycles the SMs were active, warp instruct
 wavefronts. Clocks are not locked (--clock-control none), as in the benchmark. The table gives per
 kernel its TFLOP/s from the duration (the benchmark's FLOP count: 4 b h s^2 d forward, 2.5x that
 backward, half of each causal) and what the tensor pipe's busy share implies the kernel would reach
-at 100%, so "achieved against possible" reads off one row. --fa4 adds FA4's kernels (its pack must
-be installed: ../shared/tools/fa4_peer.sh).
+at 100%, so "achieved against possible" reads off one row, and the kernel's cycles with the tensor
+pipe's share of them (two kernels doing the same tensor work have equal tensor cycles). --fa4 adds
+FA4's kernels (its pack must be installed: ../shared/tools/fa4_peer.sh).
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ def profile(d: int, causal: bool, s: int, fa4: bool) -> list[dict]:
     for r in rows:
         k = kernels.setdefault(r["ID"], {"name": r["Kernel Name"]})
         value = float(r["Metric Value"].replace(",", ""))
-        unit = r["Metric Unit"]
-        # durations to us, clocks to GHz; anything else as printed
-        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "hz": 1e-9, "khz": 1e-6, "mhz": 1e-3,
-                 "ghz": 1.0, "cycle/second": 1e-9, "cycle/usecond": 1e-3, "cycle/nsecond": 1.0}.get(unit.lower(), 1.0)
+        # durations to us, clocks to GHz (ncu's CSV spells units either way); counts as printed
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "ghz": 1.0,
+                 "mhz": 1e-3, "cycle/nsecond": 1.0, "cycle/usecond": 1e-3}.get(r["Metric Unit"].lower(), 1.0)
         k[r["Metric Name"]] = value * scale
     return list(kernels.values())
 
@@ -57,7 +57,8 @@ def main() -> None:
     if out in args:
         args.remove(out)
     impls = ["flashtile"] + (["fa4"] if "--fa4" in sys.argv else [])
-    lines = ["impl  d causal seqlen kernel    us       GHz  tensor%  TFLOP/s  at-100%  Minst  Mwavefronts"]
+    lines = ["impl       d causal seqlen kernel  us   GHz tensor%  TFLOP/s  at-100%  Mcycles  tensor-Mcycles  Minst  "
+             "Mwavefronts(shared)"]
     for item in (args[0] if args else SHAPES).split(","):
         d, causal, s = (int(x) for x in item.split(":"))
         b, h = 16384 // s, 2048 // d
@@ -67,10 +68,12 @@ def main() -> None:
                 backward = "bwd" in k["name"].lower() or "backward" in k["name"].lower()
                 us = k["gpu__time_duration.sum"]
                 busy = k["sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"]
+                ghz = k["sm__cycles_elapsed.avg.per_second"]
                 tflops = (2.5 if backward else 1.0) * fwd / us / 1e6
+                mcycles = us * ghz / 1e3
                 lines.append(f"{impl:9s} {d:3d} {causal:d} {s:6d} {'bwd' if backward else 'fwd'} {us:9.1f} "
-                             f"{k['sm__cycles_elapsed.avg.per_second']:6.2f} {busy:7.1f} {tflops:8.0f} "
-                             f"{tflops / busy * 100:8.0f} {k['smsp__inst_executed.sum'] / 1e6:6.1f} "
+                             f"{ghz:5.2f} {busy:5.1f} {tflops:6.0f} {tflops / busy * 100:6.0f} {mcycles:7.2f} "
+                             f"{mcycles * busy / 100:7.2f} {k['smsp__inst_executed.sum'] / 1e6:6.1f} "
                              f"{k['l1tex__data_pipe_lsu_wavefronts_mem_shared.sum'] / 1e6:8.1f}  {k['name'][:60]}")
                 print(lines[-1], flush=True)
     text = "\n".join(lines)
