@@ -136,6 +136,7 @@ def launch_key_rows(row, split: _launch.Prepared, tensors: tuple, scalars: tuple
 
     class Kernel:  # Triton's path once (returns the compiled stand-in), then cached hits
         params = [SimpleNamespace(name=n) for n in split.kernel.arg_names]  # Triton's JITFunction and interpreter
+        arg_names = split.kernel.arg_names
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: Compiled()

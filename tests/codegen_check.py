@@ -118,25 +118,23 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
 
 
 def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False,
-                           softcap: bool = False, alibi: bool = False, o_tma: bool = True, seqlen_k: int = 8192):
+                           softcap: bool = False, alibi: bool = False, o_tma: bool = True):
     """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores; alibi:
     ALiBi slopes), its tiles in chunks of heads where configs.hopper_forward_head_chunk takes them
     (d=64, causal). d: the tensors' head dim, computed at configs.hopper_head_dim(d). o_tma: the
-    output through the copy engine (an output TMA can address), else stored from registers.
-    seqlen_k: the keys the tiles are chosen for (configs.hopper_forward_tiles: at d=64 two consumer
-    warpgroups causal below 4096, else three)."""
+    output through the copy engine (an output TMA can address), else stored from registers."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     d, head_dim = configs.hopper_head_dim(d), d
-    cfg = configs.hopper_forward_tiles(d, causal, seqlen_k)
+    cfg = configs.hopper_forward_tiles(d)
     kernel = forward._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
-                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d, causal, seqlen_k), IS_VARLEN=varlen,
+                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
                  HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
-                 HEAD_CHUNKED=causal and d == 64, HEAD_DIM=head_dim, O_TMA=o_tma)
+                 HEAD_CHUNKED=configs.hopper_forward_chunked(d, causal), HEAD_DIM=head_dim, O_TMA=o_tma)
     if not alibi:
         const["Slopes"] = None
     if not dropout:
@@ -163,16 +161,13 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
 
 
 def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False,
-                            alibi: bool = False, head_chunk: int | None = None, deterministic: bool = False):
+                            alibi: bool = False, deterministic: bool = False):
     """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes), its programs in
-    chunks of head_chunk (batch, K/V head) rows; by default as configs.hopper_backward_head_chunk
-    chooses for 8k tokens (4 at d=128 with a causal mask and with deterministic without one, else 1:
-    the plain 3D grid). d: the tensors' head dim, computed at configs.hopper_head_dim(d). deterministic: dQ's
+    chunks of (batch, K/V head) rows where configs.hopper_backward_chunked says so (the chunk is an
+    argument). d: the tensors' head dim, computed at configs.hopper_head_dim(d). deterministic: dQ's
     additions in a fixed order (the dQ writer partition)."""
     d, head_dim = configs.hopper_head_dim(d), d
-    if head_chunk is None:
-        head_chunk = 4 if (causal and d == 128) or (deterministic and not causal) else 1
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_backward_tiles(d, dropout, softcap)
@@ -182,7 +177,8 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
                  DEFER_DQ=configs.hopper_backward_defer_dq(d, causal, deterministic),
                  SPLIT_D=configs.hopper_backward_split_d(d),
                  HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap,
-                 HAS_ALIBI=alibi, HEAD_CHUNK=head_chunk, HEAD_DIM=head_dim, DETERMINISTIC=deterministic)
+                 HAS_ALIBI=alibi, HEAD_CHUNKED=configs.hopper_backward_chunked(d, causal, deterministic),
+                 HEAD_DIM=head_dim, DETERMINISTIC=deterministic)
     if not deterministic:
         const["Turns"] = None
     if not alibi:
@@ -363,9 +359,7 @@ if __name__ == "__main__":
         if argv[0] == "forward-sm90":
             compiled = compile_hopper_forward(int(argv[1]), *options, sink="--sink" in argv,
                                               softcap="--softcap" in argv, alibi="--alibi" in argv,
-                                              o_tma="--pointer-out" not in argv,
-                                              seqlen_k=int(argv[argv.index("--seqlen-k") + 1]) if "--seqlen-k" in argv
-                                              else 8192)
+                                              o_tma="--pointer-out" not in argv)
         else:
             compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv,
                                                alibi="--alibi" in argv, deterministic="--deterministic" in argv)

@@ -19,10 +19,11 @@ from flashtile.reference.dropout import DropoutMask, draw_rng
 from flashtile.testing import assert_2x, poison
 
 
-def make_qkv(b, sq, sk, h, hk, d, dtype, device, layout="bshd"):
-    """q (b, sq, h, d), k/v (b, sk, hk, d) as BSHD views of the requested storage."""
+def make_qkv(b, sq, sk, h, hk, d, dtype, device, layout="bshd", std=1.0):
+    """q (b, sq, h, d), k/v (b, sk, hk, d) as BSHD views of the requested storage, normal with
+    standard deviation std."""
     def rand(*shape):
-        return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
+        return (torch.randn(*shape, device=device, dtype=torch.float32) * std).to(dtype)
 
     if layout == "bshd":
         return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
@@ -37,11 +38,12 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, device, layout="bshd"):
 
 
 def check_prefill(b, sq, sk, h, hk, d, dtype, device, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi=False, layout="bshd", backward=True, factor=2, dropout_p=0.0, sink=False):
+                  alibi=False, layout="bshd", backward=True, factor=2, dropout_p=0.0, sink=False, std=1.0):
     """dropout_p > 0: the oracle applies the kernels' own mask (reference.dropout.DropoutMask).
     sink: an attention sink (h,) fp32 near the rows' LSE (so it takes a real share), its gradient
-    checked as well. alibi: slopes (h,) in [0, 1), or with alibi="batch" (b, h)."""
-    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device, layout)
+    checked as well. alibi: slopes (h,) in [0, 1), or with alibi="batch" (b, h). std: the inputs'
+    standard deviation (3 makes scores of 30-50, where the softmax is nearly one-hot)."""
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device, layout, std)
     scale = d ** -0.5
     left, right = window[0], (0 if causal else window[1])
     slopes = torch.rand(*((b, h) if alibi == "batch" else (h, )), device=device) if alibi else None

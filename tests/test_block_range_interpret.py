@@ -61,7 +61,7 @@ def _launch_turns_kernel(Turns, Launched, sq, sk, left, right, n_row_blocks, n_r
     then the rows block_range gives and the turns dq_order / dq_turn give): Turns[row, key block,
     Q block], and Launched[row, key block] = the launch index (x fastest, then y, then z)."""
     n_kb = tl.cdiv(sk, BLOCK_N)
-    n, row = key_block_program(n_kb, n_rows, HEAD_CHUNK, True, HAS_RIGHT)
+    n, row = key_block_program(n_kb, n_rows, HEAD_CHUNK, HEAD_CHUNK != 1, True, HAS_RIGHT)
     lin = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
     tl.store(Launched + row * n_kb + n, lin)
     lo, _, _, hi = block_range(n * BLOCK_N, BLOCK_N, BLOCK_M, sq, sq - sk, right, left, HAS_RIGHT, HAS_LEFT)

@@ -1,6 +1,6 @@
 """The Gluon Hopper kernels on an H100. The forward (ops.forward._fwd_kernel_sm90): the prefill
-grid against the float64 oracle with the 2x rule, forced on for every case (the dispatch would give
-d=64 below 1k keys, 2k under a causal mask, and fewer than 128 query rows, to the Triton kernel), the layouts it takes and
+grid against the float64 oracle with the 2x rule, forced on for every case (the dispatch gives every
+length to it, but a capped causal d=64 to the Triton kernel), the layouts it takes and
 the ones it leaves to the Triton kernel, and CUDA-graph replay; its determinism under 50 reruns is
 test_prefill_cuda's test_backward_is_reproducible (d=128 takes this kernel there). The backward
 (ops.backward._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, dQ added
@@ -25,14 +25,13 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 @pytest.fixture
 def hopper_launches(monkeypatch):
-    """Forces the Hopper kernel wherever it can run, in the tiles the dispatch gives it (at d=64
-    two consumer warpgroups under a right bound below 4k keys, else three), and counts its launches."""
+    """Forces the Hopper kernel wherever it can run, in the tiles the dispatch gives it, and counts
+    its launches."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels need sm_90")
     calls = []
     launch = forward._launch_sm90
-    monkeypatch.setattr(configs, "hopper_forward_config",
-                        lambda d, *a, causal, seqlen_k, **kw: configs.hopper_forward_tiles(d, causal, seqlen_k))
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda d, *a, **kw: configs.hopper_forward_tiles(d))
     monkeypatch.setattr(forward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
     return calls
 
@@ -94,14 +93,10 @@ D64_CASES = {"causal": dict(), "dropout": dict(dropout_p=0.17), "softcap": dict(
              "alibi": dict(alibi=True), "sink": dict(sink=True), "window": dict(window=(300, 0)), "varlen": None}
 
 
-@pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("case", D64_CASES.values(), ids=D64_CASES.keys())
-def test_d64_consumers_under_a_right_bound(hopper_launches, monkeypatch, case, consumers):
-    """d=64 tiles of two consumer warpgroups (128 rows) and of three (192 rows) under a right bound
-    beside each flag, whichever the dispatch would give these lengths (configs.hopper_forward_consumers:
-    two below 4k keys, so the grid above runs three under a causal mask only at 8k)."""
-    tiles = configs.BlockConfig(64 * consumers, 128, 4, 2)
-    monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: tiles)
+def test_d64_under_a_right_bound(hopper_launches, case):
+    """d=64's three consumer warpgroups (192-row tiles, configs.hopper_forward_consumers) under a
+    right bound beside each flag."""
     if case is None:
         check_varlen([300, 0, 17, 1024, 129], [250, 40, 17, 1024, 300], 4, 2, 64, torch.bfloat16, "cuda", causal=True,
                      backward=False)
@@ -178,8 +173,7 @@ def test_cuda_graph(hopper_launches):
 
 @pytest.fixture
 def hopper_backward_launches(monkeypatch):
-    """Forces the Hopper backward wherever it can run (the dispatch would give fewer than 128 query
-    rows to the Triton programs), and counts its launches."""
+    """Forces the Hopper backward wherever it can run, and counts its launches."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels need sm_90")
     calls = []

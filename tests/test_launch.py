@@ -26,6 +26,7 @@ class FakeKernel:
 
     def __init__(self, names):
         self.params = [SimpleNamespace(name=n) for n in names]
+        self.arg_names = list(names)
         self.triton_calls, self.direct_calls = [], []
 
     def __getitem__(self, grid):
@@ -299,3 +300,21 @@ def test_descriptors_reach_the_launcher_as_tritons_wrapper_passes_them(monkeypat
     assert _launch._unwrapped(print) == (print, None)
     plain = driver.wrap_handle_tensordesc(print, {0: "*fp32"}, None)
     assert _launch._unwrapped(plain) == (print, None)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _strided_kernel(X, stride_xb, stride_xd, n):
+    pass
+
+
+def test_unaligned_strides_take_a_twin_that_does_not_specialise_them():
+    """for_strides: strides all 1 or multiples of 16 keep the kernel (Triton specialises them, which
+    vectorises aligned rows); otherwise a twin of the same function with no stride specialised on
+    its divisibility, made once, keeps every do_not_specialize of the kernel's."""
+    assert _launch.for_strides(_strided_kernel, 1, (4096, 1, 7)) is _strided_kernel
+    twin = _launch.for_strides(_strided_kernel, 1, (40 * 17, 1, 7))
+    assert twin is not _strided_kernel and _launch.for_strides(_strided_kernel, 1, (40 * 19, 1, 8)) is twin
+    kwargs = twin.kwargs if hasattr(twin, "kwargs") else dict(
+        do_not_specialize=twin.do_not_specialize, do_not_specialize_on_alignment=twin.do_not_specialize_on_alignment)
+    assert kwargs["do_not_specialize_on_alignment"] == ["stride_xb", "stride_xd"]
+    assert list(kwargs["do_not_specialize"]) == ["n"]

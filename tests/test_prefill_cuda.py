@@ -40,10 +40,62 @@ def test_triton_kernels_at_uneven_head_dims(monkeypatch, d, sq, sk, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_batch_times_heads_past_65535(causal):
-    """The Triton kernels (64 rows, d=64: below the Hopper kernels' lengths) with batch x heads past
-    a grid axis; causal runs the dK/dV launch's head-chunked 1-D grid, full its 2-D one."""
+def test_batch_times_heads_past_65535(monkeypatch, causal):
+    """The Triton kernels (64 rows, d=64; the Hopper kernels switched off: test_hopper_cuda.py has
+    theirs) with batch x heads past a grid axis; causal runs the dK/dV launch's head-chunked 1-D
+    grid, full its 2-D one."""
+    from flashtile.ops import configs
+
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: None)
+    monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
     check_past_65535_heads(64, 64, causal)
+
+
+def _compiles(monkeypatch) -> list:
+    """The kernels Triton compiles from now on (its JIT cache hook sees each compilation)."""
+    import triton
+
+    seen = []
+
+    def hook(*args, **kwargs):
+        seen.append(kwargs["fn"].name)
+        return False  # compile as usual
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", hook)
+    return seen
+
+
+LENGTH_CASES = {"d128-causal": dict(d=128, causal=True), "d64-full": dict(d=64, causal=False),
+                "d40-causal-gqa": dict(d=40, causal=True, hk=1), "d128-varlen": dict(d=128, causal=True, varlen=True)}
+
+
+@pytest.mark.parametrize("case", LENGTH_CASES.values(), ids=LENGTH_CASES.keys())
+def test_lengths_compile_nothing(monkeypatch, case):
+    """After one forward + backward at 2 x 4096, other lengths (odd, prime, < 16, > 64k, a packed
+    batch of other max_seqlen) compile nothing (tests/test_recompile.py keys the launches on CPU)."""
+    d, causal, hk, varlen = case["d"], case["causal"], case.get("hk", 4), case.get("varlen", False)
+
+    def call(b, s):
+        if varlen:
+            lengths = [s] * b + [max(1, s // 3)]
+            cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
+                              device="cuda")
+            q, k, v = (torch.randn(sum(lengths), 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+        else:
+            q = torch.randn(b, s, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            out = flashtile.flash_attn_func(q, k, v, causal=causal)
+        out.backward(torch.randn_like(out))
+
+    call(2, 4096)
+    seen = _compiles(monkeypatch)
+    for b, s in ((1, 5123), (3, 17), (1, 1), (2, 127), (1, 65537), (5, 97), (1, 3000)):
+        call(b, s)
+    torch.cuda.synchronize()
+    assert not seen, f"compiled after the first call: {seen}"
 
 
 def test_fp32_ieee():

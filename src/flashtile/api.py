@@ -177,11 +177,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope * |i + seqlen_k - seqlen_q - j|.
         deterministic: True (or torch.use_deterministic_algorithms(True)) makes the backward
             bitwise reproducible. By default, as in flash-attn, the Hopper backward (H100, head
-            dims 33-256 that are multiples of 8, from 128 query rows; softcap, ALiBi, dropout and
-            packed batches too) adds dQ's key blocks up with TMA reductions, in an order that
-            varies from run to run; every other call is reproducible either way. With True it
-            adds them in a fixed order at head dims up to 128 except d <= 64 without a right
-            bound below 2k keys (2-17% slower than the default; configs.hopper_backward_ordered);
+            dims 33-256 that are multiples of 8; softcap, ALiBi, dropout and packed batches too)
+            adds dQ's key blocks up with TMA reductions, in an order that varies from run to run;
+            every other call is reproducible either way. With True it adds them in a fixed order
+            at head dims up to 128 (2-17% slower than the default; configs.hopper_backward_ordered);
             elsewhere dQ gets Triton programs of its own (no atomics).
         return_attn_probs: also return softmax_lse (and None in place of the attention matrix).
         learnable_sink: optional (nheads,) float32 / bfloat16 / float16, keyword (FlashAttention-4's

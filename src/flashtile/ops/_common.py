@@ -132,14 +132,19 @@ def dq_turn(start_m, a, c, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RI
 
 
 @triton.jit
-def key_block_program(n_kb, n_rows, HEAD_CHUNK: tl.constexpr, DETERMINISTIC: tl.constexpr,
+def key_block_program(n_kb, n_rows, chunk, HEAD_CHUNKED: tl.constexpr, DETERMINISTIC: tl.constexpr,
                       HAS_RIGHT: tl.constexpr):
     """(key block, row) of this program of the Hopper backward's grid of n_kb key blocks x n_rows
-    (batch, K/V head) rows, in head_chunked_order. DETERMINISTIC under a right bound reverses each
-    row's key blocks (dq_order: there the last adds first), so that in every row the key block whose
-    addition into a Q block comes first is launched first, the next one after it, and so on: a
-    program only waits for programs launched before it (tests/test_block_range_interpret.py)."""
-    pid, row = head_chunked_order(n_kb, n_rows, HEAD_CHUNK)
+    (batch, K/V head) rows: with HEAD_CHUNKED a 1D grid in chunks of `chunk` rows (chunked_order;
+    the chunk is an argument, so no length compiles another kernel), else the (key blocks, K/V
+    heads, batch) grid. DETERMINISTIC under a right bound reverses each row's key blocks (dq_order:
+    there the last adds first), so that in every row the key block whose addition into a Q block
+    comes first is launched first, the next one after it, and so on: a program only waits for
+    programs launched before it (tests/test_block_range_interpret.py)."""
+    if HEAD_CHUNKED:
+        pid, row = chunked_order(tl.program_id(0), n_kb, n_rows, chunk)
+    else:
+        pid, row = head_chunked_order(n_kb, n_rows, 1)
     if DETERMINISTIC and HAS_RIGHT:
         pid = n_kb - 1 - pid
     return pid, row

@@ -106,6 +106,40 @@ def _scalar_classes(scalars: tuple) -> tuple:
                  else float if type(x) is float else x for x in scalars)
 
 
+def _stride_positions(kernel, n_tensors: int) -> tuple:
+    """Positions, among a launch's scalars, of the kernel's stride arguments (named stride_*)."""
+    cached = kernel.__dict__.get("_flashtile_strides")
+    if cached is None or cached[0] != n_tensors:
+        names = kernel.arg_names[n_tensors:]
+        cached = kernel._flashtile_strides = (n_tensors, tuple(i for i, n in enumerate(names) if n.startswith("stride_")))
+    return cached[1]
+
+
+def for_strides(kernel, n_tensors: int, scalars: tuple):
+    """kernel itself when every stride argument is 1 or a multiple of 16, else its twin that
+    specialises no stride on its divisibility by 16 (a stride of 1 still is: contiguity).
+
+    Triton compiles a kernel per divisibility of each int argument. A stride that grows with a
+    length (a batch stride, the head stride of a (batch, heads, seq, d) tensor) is a multiple of
+    16 at every length when the strides it multiplies are; when one of those is not (a head dim
+    such as 40 or 111), the length decides it, and each new length could compile the kernel again,
+    for nothing: rows that are not 16-byte aligned are read element by element either way. The twin
+    is the same function jitted once more with do_not_specialize_on_alignment on its strides."""
+    positions = _stride_positions(kernel, n_tensors)
+    if all(scalars[i] & 15 == 0 or scalars[i] == 1 for i in positions):
+        return kernel
+    twin = kernel.__dict__.get("_flashtile_unaligned")
+    if twin is None:
+        names = [kernel.arg_names[n_tensors + i] for i in positions]
+        if hasattr(kernel, "kwargs"):  # the interpreter's function keeps the decorator's arguments
+            twin = type(kernel)(kernel.fn, **{**kernel.kwargs, "do_not_specialize_on_alignment": names})
+        else:
+            twin = type(kernel)(kernel.fn, do_not_specialize=kernel.do_not_specialize,
+                                do_not_specialize_on_alignment=names, debug=kernel.debug, noinline=kernel.noinline)
+        kernel._flashtile_unaligned = twin
+    return twin
+
+
 def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int | None,
            launch_pdl: bool = False, maxnreg: int | None = None, **constexprs):
     """kernel[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...), cached.
@@ -123,7 +157,7 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
     options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
                    **({"launch_pdl": True} if launch_pdl else {}), **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not tensors[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-        return kernel[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
+        return for_strides(kernel, len(tensors), scalars)[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
     device = tensors[0].get_device()
     rest = (num_warps, num_stages, launch_pdl, maxnreg, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
     _cached_launch(kernel, (device, scalars, *rest), grid, tensors, scalars, constexprs, options, device,
@@ -145,7 +179,8 @@ def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, dev
         general_key = general()
         hit = cache.get(general_key)
         if hit is None:
-            compiled = kernel[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
+            compiled = for_strides(kernel, len(tensors), scalars)[grid](*_for_triton(tensors), *scalars, **constexprs,
+                                                                        **options)
             if isinstance(compiled, triton.compiler.CompiledKernel):
                 names = [p.name for p in kernel.params]
                 tail = names[len(tensors) + len(scalars):]
@@ -278,7 +313,9 @@ class Prepared:
         every = tensors + self.tensors
         hooks = triton.knobs.runtime
         if not every[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-            self.kernel[self.grid](*_for_triton(every), *scalars, *self.scalars, **self.constexprs, **self.options)
+            all_scalars = scalars + self.scalars
+            for_strides(self.kernel, len(every), all_scalars)[self.grid](*_for_triton(every), *all_scalars,
+                                                                          **self.constexprs, **self.options)
             return
         device = every[0].get_device()
         if key is None:

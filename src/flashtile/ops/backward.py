@@ -128,7 +128,13 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, tma_row0, 
         do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dom + do_doffs
         q, do = load_tile_pair(q_ptrs, do_ptrs, offs_m[:, None] < sq, d_mask, MASKED, EVEN_D)
     lse2, delta = _load_rows(lse_base, delta_base, offs_m, sq, MASKED)
-    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+    if DOT_PRECISION == "ieee":
+        # fp32: Q K^T in the forward's orientation, so every score rounds as it did there and P of a
+        # row's largest score matches the forward's (K Q^T, summed in another order, failed the 2x
+        # rule on dV at scores of 30-50)
+        qk_t = tl.trans(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION))  # (BLOCK_N, BLOCK_M)
+    else:
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
     s2_t, dcap_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, softcap, slope,
                                diag_offset, HAS_SOFTCAP, HAS_ALIBI)
     p_t = tl.exp2(s2_t - lse2[None, :])
@@ -359,7 +365,8 @@ def _dq_program(
     tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["sq", "sk", "total_q", "total_k", "left", "right", "threshold", "n_programs"])
+@triton.jit(do_not_specialize=["batch", "sq", "sk", "total_q", "total_k", "left", "right", "threshold",
+                               "n_programs"])
 def _bwd_kernel(
     Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, Q_desc, dO_desc, K_desc, V_desc,
     CuSeqQ, CuSeqK, SeqUsedK, Rng,
@@ -487,7 +494,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     block_d = configs.padded_headdim(d)
-    causal = window[1] == 0
+    causal = window[1] is not None  # any right bound picks the causal tiles: one kernel for every seqlen_q - seqlen_k
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
     if b * h * sq == 0:  # no query rows: no key gets a gradient
@@ -495,11 +502,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         dv.zero_()
         return dq, dk, dv
 
-    hopper = configs.hopper_backward_config(d, q.dtype, q.device, seqlen_q=sq, dropout=has_dropout,
-                                            softcap=softcap > 0)
+    hopper = configs.hopper_backward_config(d, q.dtype, q.device, dropout=has_dropout, softcap=softcap > 0)
     if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) \
             and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, q, k, varlen) \
-            and (not deterministic or configs.hopper_backward_ordered(d, sk, right is not None)):
+            and (not deterministic or configs.hopper_backward_ordered(d)):
         _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
                      dropout, varlen, softcap, alibi_slopes, deterministic=deterministic)
         return dq, dk, dv
@@ -1081,20 +1087,22 @@ def _bwd_sm90_reduce_dq(dq_desc, buf, tb, row, h, half, BLOCK_M: gl.constexpr):
         _tma_reduce_add(dq_desc, [tb, row, h, half * DQ_COLS], buf)
 
 
-@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "total_q", "total_k", "threshold"])
+@gluon.jit(do_not_specialize=["sq", "sk", "left", "right", "rows_pad", "head_chunk", "total_q", "total_k",
+                               "threshold"])
 def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, Rng,
                      CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, Turns, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                     nheads, nheads_k, sq, sk, left, right, rows_pad, qk_scale, dk_scale, threshold,
+                     nheads, nheads_k, sq, sk, left, right, rows_pad, head_chunk, qk_scale, dk_scale, threshold,
                      dropout_scale, total_q, total_k, softcap, stride_slope_b, stride_slope_h,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
                      DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     HAS_ALIBI: gl.constexpr, HEAD_CHUNK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     HAS_ALIBI: gl.constexpr, HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr,
                      DETERMINISTIC: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask (with
     DETERMINISTIC under a right bound, the last key block first: see below); or
-    with HEAD_CHUNK > 1 (configs.hopper_backward_head_chunk) a 1D grid of the same programs in
-    head_chunked_order, key block 0 of HEAD_CHUNK (batch, K/V head) rows first.
+    with HEAD_CHUNKED (configs.hopper_backward_chunked) a 1D grid of the same programs in
+    chunked_order, key block 0 of head_chunk (batch, K/V head) rows first
+    (configs.hopper_backward_head_chunk).
     A key block is two boxes of k_desc, one per consumer warpgroup, or with SPLIT_D one that both
     share (configs.hopper_backward_split_d). rows_pad: rows per head of the LSE and delta buffers
     (a multiple of the Q block). IS_VARLEN: a packed batch (the descriptors over (1, total, heads,
@@ -1119,7 +1127,8 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
     n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
     gl.static_assert(not (DETERMINISTIC and SPLIT_D), "SPLIT_D's dQ has no writer partition")
-    pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, HEAD_CHUNK, DETERMINISTIC, HAS_RIGHT)
+    pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, head_chunk, HEAD_CHUNKED, DETERMINISTIC,
+                                 HAS_RIGHT)
     start_n = pid * BLOCK_N
     # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):
     # reading them off the z and y axes measured 407 against 414 TFLOP/s at d=64 causal 16k
@@ -1304,18 +1313,20 @@ def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale,
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
     turns = torch.zeros(b * h * rows_pad // cfg.block_m, dtype=torch.int32, device=q.device) if deterministic else None
+    chunked = configs.hopper_backward_chunked(dp, right is not None, deterministic)
     chunk = configs.hopper_backward_head_chunk(dp, sq, h // hk, right is not None, q.device, deterministic)
     n_kb = cdiv(sk, cfg.block_n)
-    launch(_bwd_kernel_sm90, (n_kb, hk, b) if chunk == 1 else (n_kb * hk * b, 1, 1),
+    launch(_bwd_kernel_sm90, (n_kb * hk * b, 1, 1) if chunked else (n_kb, hk, b),
            (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
             box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes, turns),
-           (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, qk_scale, softmax_scale * ds_unit, threshold,
+           (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, chunk, qk_scale, softmax_scale * ds_unit,
+            threshold,
             dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
            cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
            NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(dp, right is not None, deterministic),
            SPLIT_D=split, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
            IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None,
-           HEAD_CHUNK=chunk, HEAD_DIM=d, DETERMINISTIC=deterministic)
+           HEAD_CHUNKED=chunked, HEAD_DIM=d, DETERMINISTIC=deterministic)
     if not accumulate_dq:
         torch.mul(dq_acc, softmax_scale * ds_unit, out=dq)
     elif dq_acc is not dq:

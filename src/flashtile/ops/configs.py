@@ -29,9 +29,9 @@ def padded_headdim(d: int) -> int:
 INTERPRETER_CONFIG = BlockConfig(16, 16, 4, 1)
 
 
-def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
-                   seqlen_k: int) -> BlockConfig:
-    """Tiles for ops.forward on an H100 (sm_90).
+def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
+    """Tiles for ops.forward on an H100 (sm_90), by head dim, dtype and mask only: a sequence length
+    never picks a tile, so a new length never compiles a kernel (tests/test_recompile.py).
 
     From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_*.json), with
     the vectorised masked loads (head_dim_mask), at 2k / 4k:
@@ -39,10 +39,10 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
     causal (64, 64, 4, 3) 336 / 398, (128, 64, 8, 3) 342 / 341.
     d=128: non-causal (128, 128, 8, 3) 455 / 469, (64, 64, 4, 3) 409 / 410; causal (64, 64, 4, 3)
     352 / 385, (128, 64, 8, 3) 348 / 389. (128, 64, 4, 3) spills: 168 / 181. Below 2k, before the
-    vectorised loads, (64, 64, 4, 3) won at 1k: 327 vs 301.
+    vectorised loads, (64, 64, 4, 3) won at 1k: 327 vs 301 non-causal.
     d=256: (128, 64, 8, 2) 458 / causal 359 at 4k; (64, 64, 4, 2) 250 (before them).
     """
-    if device.type != "cuda":
+    if capability(device) is None:
         return INTERPRETER_CONFIG
     bd = padded_headdim(d)
     if dtype == torch.float32:
@@ -50,61 +50,41 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
     if bd <= 64:
         return BlockConfig(64, 64, 4, 3) if causal else BlockConfig(128, 64, 8, 3)
     if bd <= 128:
-        return BlockConfig(128, 128, 8, 3) if not causal and seqlen_k >= 2048 else BlockConfig(64, 64, 4, 3)
+        return BlockConfig(64, 64, 4, 3) if causal else BlockConfig(128, 128, 8, 3)
     return BlockConfig(128, 64, 8, 2)
 
 
 def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
-                          seqlen_k: int, seqlen_q: int, softcap: bool = False) -> BlockConfig | None:
-    """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90) where it is measured faster than
-    forward_config's, else None (the Triton kernel runs).
+                          softcap: bool = False) -> BlockConfig | None:
+    """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90), or None (the Triton kernel runs),
+    by head dim, dtype and flags only: no length picks the kernel or its tiles, so after one call
+    no other length, batch or packed batch compiles anything (tests/test_recompile.py).
 
     block_m rows, 64 per consumer warpgroup of num_warps = 4 (hopper_forward_consumers; the other
-    consumers and the loader warp come on top). prefill.json of 89be182 (bf16, 16k tokens, forward TFLOP/s,
-    this kernel / the Triton kernel in the same run, peer flashtile-triton): d=128 at 1k / 2k / 4k /
-    8k / 16k 477 / 382, 526 / 451, 570 / 462, 610 / 486, 554 / 495; causal 299 / 290, 449 / 345,
-    510 / 361, 560 / 401, 611 / 454. d=64 8k / 16k 453 / 418, 426 / 433; causal 420 / 383, 438 /
-    390. d=64 at 2k / 4k in an ad-hoc sweep (NOTES.md "Hopper forward", one run): 402 / 425 against
-    400 / 405, causal 322 / 376 against 337 / 362, so d=64 takes it from 4k keys on. 3 K/V stages:
-    within 1% of 2 at d=128; at d=64 (3 and 4 stages) -7% to +2%. d=256 (prefill_d256_ccdaa4c.json of
-    ccdaa4c + d=256): 1.24-1.30x the Triton kernel at 1k-16k non-causal and 2k-16k causal; causal 1k
-    swung between 155 and 378 TFLOP/s on the H100 then, while a Hopper launch's host path still
-    cost more than the kernel (before its launches were cached). On the H200, five alternating
-    rounds (scripts/ab_hopper_forward.py, ab_hopper_forward_d256.txt): causal 1k 407-417 against
-    the Triton kernel's 293-295, so causal d=256 takes this kernel from 1k keys. Below that its
-    device time (95 us at 256 keys, 16k tokens) is under this kernel's host time a call (100-200
-    us on the H200 machine's host, the Triton kernel's 60-105: host_device_forward.txt), and eager
-    calls read either kernel faster by the host's speed (prefill_d256_short*.json). Fewer than 128
-    query rows (decoding steps and short chunks through flash_attn_func) were not measured and keep the Triton kernel, whose 64-row programs
-    waste less of a short sequence. After the kernel went persistent (NOTES.md "Persistent Hopper
-    forward": d=128 3-10% faster) d=64 was measured again against the Triton kernel, alternating five times
-    (scripts/ab_hopper_forward.py): non-causal 1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k
-    1.089x, causal 1k 0.884x and 2k 1.043x with rounds at 156 and 172 TFLOP/s (the Triton kernel
-    288-339 in every round). So non-causal d=64 takes it from 1k keys. Causal below 4k keys it
-    runs two consumer warpgroups (hopper_forward_consumers), which on the H200 measured against the
-    Triton kernel, three alternating rounds (ab_fwd_d64_causal_two_consumers.txt): 1k level (293 /
-    293), 2k 1.07x (332-339 -> 356-358); so causal d=64 takes it from 2k keys (three consumer
-    warpgroups there measured 354-360).
+    consumers and the loader warp come on top). Against the Triton kernel (prefill.json of 89be182,
+    bf16, 16k tokens, forward TFLOP/s, this kernel / the Triton kernel): d=128 1k / 2k / 16k
+    477 / 382, 526 / 451, 554 / 495, causal 299 / 290, 449 / 345, 611 / 454; d=256 1.24-1.30x
+    (causal 1k on the H200 407-417 against 293-295, ab_hopper_forward_d256.txt); d=64 non-causal
+    1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k 1.089x (ab_hopper_forward.py, five rounds).
+    Where the Triton kernel measured faster at some lengths, it used to take those lengths: d=64
+    causal at 1k (this kernel 0.884x there, 1.043x at 2k) and below 2k keys, non-causal d=64
+    below 1k keys, causal d=256 below 1k keys, and fewer than 128 query rows (not measured). A
+    choice by length compiles a second kernel the first time a batch crosses the line (4-5 s on
+    the H100), so those lengths now take this kernel too.
     With softcap (softcap_dispatch.json, 7b32a00, capped at 50, this kernel / the Triton kernel in
     one run): d=128 1.18-1.34x at 1k-16k, causal 1.06-1.29x; d=64 1.17-1.25x, but causal at 4k / 8k /
     16k 217 / 235, 241 / 237, 250 / 250 TFLOP/s (three exponential-unit operations a score where
     the products of 64 columns take half d=128's time), so a capped causal d=64 keeps the Triton
-    kernel. (The backward's Hopper kernel is 1.20-1.59x its Triton programs with a cap everywhere.)
-    With ALiBi (prefill.json section alibi, eb02e29, this kernel / the Triton kernel at 1k / 4k /
-    16k) d=128 1.24-1.31x, causal 1.09-1.31x; d=256 1.23-1.24x, causal 4k / 16k 1.31 / 1.28x;
-    d=64 0.96 / 1.04 / 1.08x, causal 4k / 16k 1.01 / 1.12x: the cuts above stand.
-    The d=64 cuts hold for d=48 too (hopper_takes: there the Triton kernel runs the d=64 tiles
-    with whole 16-byte accesses, measured against the Hopper kernel on no GPU yet); other head dims
-    computed at 64 or 256 take this kernel from 128 rows (hopper_takes).
+    kernel. With ALiBi (prefill.json section alibi, eb02e29) 0.96-1.31x, 1.0x or more from 4k.
+    The d=64 cut holds for d=48 too (hopper_takes: there the Triton kernel runs the d=64 tiles
+    with whole 16-byte accesses); other head dims computed at 64 or 256 take this kernel.
     """
-    if not hopper_takes(d, dtype, device) or seqlen_q < 128:
+    if not hopper_takes(d, dtype, device):
         return None
     whole = d % 16 == 0  # the Triton kernel's accesses 16 bytes wide (hopper_takes)
-    if hopper_head_dim(d) == 64 and whole and (seqlen_k < (2048 if causal else 1024) or (causal and softcap)):
+    if hopper_head_dim(d) == 64 and whole and causal and softcap:
         return None
-    if d == 256 and causal and seqlen_k < 1024:
-        return None
-    return hopper_forward_tiles(d, causal, seqlen_k)
+    return hopper_forward_tiles(d)
 
 
 HOPPER_HEAD_DIMS = (64, 128, 256)
@@ -133,37 +113,28 @@ def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
     (prefill_padded_dims.json), the Hopper kernels measured forward 1.09-1.50x and backward
     1.19-2.19x at d = 48-224, 1k-16k, causal or not, where they run. d=48 runs the d=64 Triton tiles whole, so
     hopper_forward_config keeps d=64's cuts for it."""
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
+    return (dtype in (torch.float16, torch.bfloat16) and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1]
+            and capability(device) == (9, 0))
 
 
-def hopper_forward_tiles(d: int, causal: bool = False, seqlen_k: int = 0) -> BlockConfig:
+def hopper_forward_tiles(d: int) -> BlockConfig:
     """The Hopper forward's tiles at head dim d (computed at hopper_head_dim(d): 64, 128 or 256),
-    block_m = 64 rows per consumer warpgroup (hopper_forward_consumers: three at d=64 unless the
-    keys have a right bound, causal, and are fewer than 4096, seqlen_k). 256 takes 64-key blocks:
+    block_m = 64 rows per consumer warpgroup (hopper_forward_consumers). 256 takes 64-key blocks:
     its 128-key ones would not fit shared memory beside Q; (128, 32, 4, 3) measured 418-520
     TFLOP/s against (128, 64, 4, 2)'s 487-662 in one sweep (NOTES.md "Hopper forward")."""
     d = hopper_head_dim(d)
-    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d, causal, seqlen_k),
-                                                                    128, 4, 2)
+    return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d), 128, 4, 2)
 
 
-def hopper_forward_consumers(d: int, causal: bool = False, seqlen_k: int = 0) -> int:
+def hopper_forward_consumers(d: int) -> int:
     """Consumer warpgroups of the Hopper forward, 64 query rows each: three at d=64 (160 registers
     each; 1.06-1.12x two at 2k-16k, causal 1.00-1.04x, ab_three_consumers.txt), two elsewhere
-    (240 registers: a d=128 output tile alone takes 64 of them), and at d=64 where the keys have a
-    right bound (causal) and are fewer than 4096 (seqlen_k): 128-row tiles compute fewer masked
-    scores on the diagonal, and 2048 rows are whole 128-row tiles where 192-row ones leave a
-    ragged last tile. Forward TFLOP/s, H200, three alternating rounds
-    (ab_fwd_d64_causal_two_consumers.txt, ab_fwd_d64_causal_two_vs_three.txt): two at 2k 356-358
-    against the Triton kernel's 332-339 and 361-365 against three's 354-360, at 4k 398-401
-    against three's 404-408. Three with dropout too since its mask is applied to packed P
-    (f345093): forward TFLOP/s at p = 0.1, three against two, two alternating rounds
-    (ab_dropout_d64_three_consumers.txt): 4k 325-327 / 294-295, 16k 345-348 / 301-303, causal 16k
-    298-325 / 280-290, causal 4k level (259 / 259-260), 1k 253-255 / 243-269.
-    (Before it, with each fp32 score selected, three had measured 22-39% slower:
-    ab_dropout_d64_consumers.txt.)"""
-    return 3 if d == 64 and not (causal and seqlen_k < 4096) else 2
+    (240 registers: a d=128 output tile alone takes 64 of them). Causal d=64 below 4k keys measured
+    two a little faster (H200, ab_fwd_d64_causal_two_vs_three.txt: 2k 361-365 against 354-360,
+    4k 398-401 against 404-408), but a second kernel for those lengths would compile when a batch
+    crosses 4k, so three take every length. With dropout three too (f345093,
+    ab_dropout_d64_three_consumers.txt: 4k 325-327 against two's 294-295, 16k 345-348 / 301-303)."""
+    return 3 if d == 64 else 2
 
 
 HEAD_CHUNK_MAX = 64  # bounds the backward's compiled variants (a constexpr there); past a wave it orders nothing
@@ -189,11 +160,17 @@ def hopper_forward_head_chunk(d: int, seqlen_k: int, group: int, causal: bool, d
     forward TFLOP/s one head at a time -> chunks, alternating): d=64 causal 4k 401 / 406 / 396 ->
     417 / 412 / 412 and again 412 / 411 -> 413 / 418, 8k 459 / 433 / 435 -> 434 / 460 / 451 and
     451 / 450 -> 452 / 453, 16k 468 / 468 / 453 -> 468 / 472 / 455; d=128 causal 4k 535 / 525 ->
-    523 / 523, 8k 575 / 580 -> 558 / 572. So d=64 only (HEAD_CHUNKED is a constexpr: the other
-    kernels keep their index arithmetic and spills)."""
-    if device.type != "cuda" or d != 64 or not causal:
+    523 / 523, 8k 575 / 580 -> 558 / 572. So d=64 only (hopper_forward_chunked)."""
+    if not hopper_forward_chunked(d, causal):
         return 1
     return l2_head_chunk(seqlen_k * d * 4 // group, device)
+
+
+def hopper_forward_chunked(d: int, causal: bool) -> bool:
+    """Whether the Hopper forward takes its tiles in chunks of heads (HEAD_CHUNKED, a constexpr):
+    by head dim and mask only, so that a chunk of one head (keys past the L2 cache) runs the same
+    compiled kernel."""
+    return d == 64 and causal
 
 
 def hopper_forward_q_stages(d: int) -> int:
@@ -211,8 +188,8 @@ def hopper_forward_persistent(d: int) -> bool:
     return hopper_forward_q_stages(d) == 2
 
 
-def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seqlen_q: int,
-                           dropout: bool = False, softcap: bool = False) -> BlockConfig | None:
+def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, dropout: bool = False,
+                           softcap: bool = False) -> BlockConfig | None:
     """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs).
 
     block_m query rows per step, block_n keys per program in two halves, one per consumer
@@ -223,14 +200,15 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, seq
     425 / 371, 464 / 408. d=64 313 / 300, 355 / 340, 379 / 360, 420 / 363; causal 224 / 198, 290 /
     265, 357 / 335, 375 / 343. d=256 (prefill_d256.json, against the Triton programs) 266 / 171,
     297 / 183, 333 / 196, 340 / 193; causal 190 / 147, 255 / 174, 324 / 213, 343 / 217. Fewer than
-    128 query rows were not measured and keep the Triton programs, as the forward.
+    128 query rows take it too (not measured against the Triton programs): no length picks the
+    kernel, so no length compiles a second one.
     """
-    if not hopper_takes(d, dtype, device) or seqlen_q < 128:
+    if not hopper_takes(d, dtype, device):
         return None
     return hopper_backward_tiles(d, dropout, softcap)
 
 
-def hopper_backward_ordered(d: int, seqlen_k: int, right_bounded: bool) -> bool:
+def hopper_backward_ordered(d: int) -> bool:
     """Whether a deterministic backward takes the Hopper kernel (dQ's additions in their fixed
     order, ops._common.dq_order) over the Triton programs. Not at head dims computed at 256,
     whose dQ (SPLIT_D) has no fixed order. Measured on the H100 (bf16, 16k tokens, backward
@@ -242,12 +220,11 @@ def hopper_backward_ordered(d: int, seqlen_k: int, right_bounded: bool) -> bool:
     there all key blocks of a head started together and each waited for the one before at every Q
     block. Launched in chunks of rows
     (hopper_backward_head_chunk's ordered) the ordered kernel measured 305 / 380 there against
-    the Triton programs' 303 / 334 (ab_det_chunk.txt, two calls), so below 2k keys d=64 keeps the
-    Triton programs (level at 1k). At the head dims computed at 64 or 128
+    the Triton programs' 303 / 334 (ab_det_chunk.txt, two calls): level at 1k, so every length
+    takes it (a length that picked a kernel would compile a second one). At the head dims computed at 64 or 128
     (prefill_deterministic_padded_dims.json): d=96 1.15-1.30x the Triton programs at 1k / 4k,
     causal or not; d=48 1.04x at 4k, 1.38-1.45x causal."""
-    d = hopper_head_dim(d)
-    return not hopper_backward_split_d(d) and (right_bounded or d != 64 or seqlen_k >= 2048)
+    return not hopper_backward_split_d(hopper_head_dim(d))
 
 
 def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) -> BlockConfig:
@@ -335,14 +312,21 @@ def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, 
     a Q block a step or two before it: there the ordered kernel keeps the any-order rule (d=64 causal in chunks measured
     level at 1k / 2k and 354 / 356 -> 382 / 359 at 4k, 426 / 438 -> 447 / 449 at 16k one row at a
     time, ab_det_chunk_causal64.txt)."""
-    if device.type != "cuda" or not ((ordered and not causal) or (d == 128 and causal)):
+    if not hopper_backward_chunked(d, causal, ordered):
         return 1
     return l2_head_chunk(seqlen_q * group * d * (2 + 2 + 4), device)
 
 
+def hopper_backward_chunked(d: int, causal: bool, ordered: bool = False) -> bool:
+    """Whether the Hopper backward launches its programs in chunks of rows (HEAD_CHUNKED, a
+    constexpr; the chunk itself is an argument): by head dim, mask and order only, so that every
+    length runs one compiled kernel (a chunk of one row is one row after the other)."""
+    return (ordered and not causal) or (d == 128 and causal)
+
+
 def delta_config(d: int, device: torch.device) -> BlockConfig:
     """The rowsum(dO * O) preprocess is a pure stream: big row blocks, no pipelining needed."""
-    if device.type != "cuda":
+    if capability(device) is None:
         return INTERPRETER_CONFIG
     return BlockConfig(128, 0, 4, 1)
 
@@ -367,7 +351,8 @@ def supports_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` can be programmatic dependent launches (sm_90 and later): the
     backward's dK/dV launch after its dQ launch, and a decoding call's combine kernel after its
     split kernel, whose programs are then resident when the split kernel ends (no launch gap)."""
-    return device.type == "cuda" and capability(device)[0] >= 9
+    cap = capability(device)
+    return cap is not None and cap[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -409,7 +394,7 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     d=256 (before the vectorised loads): dK/dV (32, 32, 4, 2) 167 / causal 142 TFLOP/s,
     (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
     """
-    if device.type != "cuda":
+    if capability(device) is None:
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, True)
     pdl = supports_pdl(device)
     bd = padded_headdim(d)
@@ -452,10 +437,13 @@ NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same
 NOMINAL_L2_BYTES = 50 * 2**20  # an H100's L2 cache
 
 
-def capability(device: torch.device) -> tuple:
-    """A CUDA device's compute capability, (9, 0) on the H100. torch's query costs ~10 us of host
+def capability(device: torch.device) -> tuple | None:
+    """A CUDA device's compute capability, (9, 0) on the H100; None off the GPU (the Triton
+    interpreter), the one place the configs tell the two apart. torch's query costs ~10 us of host
     time on the H100 machine, on every launch's path: a device with an index (every CUDA tensor's)
     is asked once (_capability.cache_clear() forgets the answers)."""
+    if device.type != "cuda":
+        return None
     if device.index is None:  # "cuda": whichever device is current now
         return torch.cuda.get_device_capability(device)
     return _capability(device)
@@ -527,7 +515,7 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     dims and query-row counts (more than 16 packed rows) were not measured and keep their tiles.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
-    if device.type != "cuda":
+    if capability(device) is None:
         return BlockConfig(block_m, DECODE_INTERPRETER_BLOCK_N, 4, 1)
     bd = padded_headdim(d)
     if dtype == torch.float32:
@@ -596,7 +584,7 @@ def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.devic
     Past one round (ab_decode_warp_rounds.txt, this kernel against _split_kernel, alternating, us):
     128 x 512 (256 programs of 8 tiles) 26.7 against 27.7, Llama-3-8B's 64 x 8192 with 32 / 8 heads
     (512 of 128) 697.2 against 704.1, but 256 x 256 (512 of 4 tiles) 27.7 against 27.5."""
-    if (device.type != "cuda" or capability(device)[0] != 9 or dtype not in (torch.float16, torch.bfloat16)
+    if (capability(device) != (9, 0) or dtype not in (torch.float16, torch.bfloat16)
             or d not in (64, 128) or rows > 16):
         return None
     block_m = 8 if rows <= 8 else 16

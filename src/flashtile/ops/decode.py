@@ -83,10 +83,10 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
 
 
 # Cache lengths that are ints (an int cache_seqlens; the capacity of a cache that grows every step,
-# as transformers' dynamic cache) change from call to call: Triton would compile another variant
-# whenever one becomes a multiple of 16. They never enter an address's alignment, so they are not
-# specialised on.
-_LENGTHS = ("seqlen_const", "capacity")
+# as transformers' dynamic cache) and the cache's batch change from call to call: Triton would
+# compile another variant whenever one becomes a multiple of 16 or 1. They never enter an address's
+# alignment, so they are not specialised on.
+_LENGTHS = ("seqlen_const", "capacity", "cache_rows")
 
 
 @triton.jit

@@ -243,14 +243,16 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
                    *seq_strides(out, True))
     vl_tensors, (stride_tb, total_q, total_k, max_pages, num_pages), vl_flags = varlen_args(q, k, varlen)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
-    cfg = configs.forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk)
+    # "causal" for the tiles: any right bound (a window's too), so that top-left causal masks of
+    # every seqlen_q - seqlen_k (scaled_dot_product_attention's) run one kernel
+    right_bounded = window[1] is not None
+    cfg = configs.forward_config(d, q.dtype, q.device, causal=right_bounded)
     block_d = configs.padded_headdim(d)
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     left, right = window
     if b * sq == 0:
         return out, lse
-    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=window[1] == 0, seqlen_k=sk, seqlen_q=sq,
-                                           softcap=softcap > 0)
+    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=right_bounded, softcap=softcap > 0)
     if (hopper is not None and _hopper_supports(q, k, v, out, qk_scale, varlen)
             and alibi_fits_sm90(alibi_slopes, q, k, varlen)):
         _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap, alibi_slopes)
@@ -1004,4 +1006,5 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
            HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(dp),
            PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers,
            IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
-           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunk > 1, HEAD_DIM=d, O_TMA=o_tma)
+           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=configs.hopper_forward_chunked(dp, right is not None),
+           HEAD_DIM=d, O_TMA=o_tma)
