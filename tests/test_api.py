@@ -176,6 +176,31 @@ def test_flash_attn_func_forward_backward(backend):
         torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("call", ["func", "varlen", "sink"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.interpret), "reference"])
+def test_second_order_gradients_raise(backend, call):
+    """Gradients taken with create_graph=True are right, and differentiating them again raises one
+    clear error on every path (the reference path returned wrong second-order gradients; the
+    kernel path raised torch's 'does not require grad')."""
+    q, k, v = qkv(1, 13, 17, 2, 1, 16, requires_grad=True)
+    sink = torch.randn(2, requires_grad=True) if call == "sink" else None
+    with api.use_backend(backend):
+        if call == "varlen":
+            cu = torch.tensor([0, 13], dtype=torch.int32), torch.tensor([0, 17], dtype=torch.int32)
+            out = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], *cu, 13, 17, causal=True)[None]
+        else:
+            out = flashtile.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+        leaves = (q, k, v) if sink is None else (q, k, v, sink)
+        grads = torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+    ref = torch.autograd.grad(flashtile.reference.naive.attention(q, k, v, causal=True, learnable_sink=sink)[0]
+                              .square().sum(), leaves)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+    assert all(g.requires_grad for g in grads)
+    with pytest.raises(RuntimeError, match="second-order gradients through attention are not supported"):
+        torch.autograd.grad(grads[0].square().sum(), leaves)
+
+
 @pytest.mark.interpret
 def test_packed_variants_equal_unpacked():
     qkv_ = torch.randn(2, 19, 3, 2, 32, dtype=torch.float16)

@@ -160,6 +160,16 @@ def test_one_rank_is_one_call(one_rank, backend):
         assert torch.equal(a, b), name
 
 
+def test_one_rank_second_order_gradients_raise(one_rank):
+    """As flash_attn_func: gradients under create_graph=True, and a clear error past them."""
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    with flashtile.use_backend("reference"):
+        out = distributed.ring_flash_attn_func(q, q, q, causal=True)
+        (g,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order gradients through attention are not supported"):
+        torch.autograd.grad(g.sum(), (q,))
+
+
 def test_one_rank_sink_and_layouts(one_rank):
     """With one rank zigzag and contiguous shards are the whole sequence, in order."""
     q = torch.randn(1, 8, 2, 16)

@@ -213,6 +213,39 @@ def _backward(ctx, dout, dlse):
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
+SECOND_ORDER = ("flashtile: second-order gradients through attention are not supported (its backward, a kernel or "
+                "the blockwise reference, is not differentiable): the gradients of flash_attn_func and the other "
+                "attention functions cannot be differentiated again (autograd.grad(..., create_graph=True), then a "
+                "backward through them). flashtile.reference.naive.attention is plain PyTorch and can be.")
+
+
+def _refuse_second_order(ctx, *grads):
+    raise RuntimeError(SECOND_ORDER)
+
+
+attention_bwd.register_autograd(_refuse_second_order, setup_context=lambda ctx, inputs, output: None)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The gradients of a backward run with create_graph=True, as they are, tied to the tensors they
+    came from: differentiating them again raises SECOND_ORDER (instead of a silently wrong value on
+    the reference path, or torch's 'does not require grad' on the kernel path)."""
+
+    @staticmethod
+    def forward(ctx, n_sources, *tensors):
+        return tuple(t.view_as(t) if t is not None else None for t in tensors[n_sources:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER)
+
+
+def first_order_only(sources: tuple, grads: tuple) -> tuple:
+    """grads unchanged outside create_graph=True; inside it, grads whose own backward refuses."""
+    if not torch.is_grad_enabled():
+        return grads
+    return _FirstOrderOnly.apply(len(sources), *sources, *grads)
+
 _NO_EXTRA = (0.0, None, _checks.Varlen(None, None, 0, 0))
 
 
@@ -236,7 +269,10 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv, dsink = _grads(dout, ctx.saved_tensors, ctx.args, ctx.extra, _backward_impl)
+        saved = ctx.saved_tensors
+        with torch.no_grad():  # under create_graph=True too: the reference path would record a wrong graph
+            grads = _grads(dout, saved, ctx.args, ctx.extra, _backward_impl)
+        dq, dk, dv, dsink = first_order_only((dout, *saved[:3]), grads)
         return dq, dk, dv, None, None, None, None, None, None, None, dsink, None
 
 

@@ -274,9 +274,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):  # the LSE is returned for inspection: no gradient, as flash-attn
         q, k, v, out, lse, sink = ctx.saved_tensors
         ring = ctx.ring
-        dq, dk, dv = backward_pass(ring, dout, q, k, v, out, lse,
-                                   comm.P2PRing(ctx.group) if ring.world > 1 else None)
-        # this rank's rows only (see ring_flash_attn_func)
-        dsink = None if sink is None else autograd.sink_grad(
-            sink, lse, autograd.by_head(dout.float() * out.float()).sum(-1))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None
+        with torch.no_grad():  # under create_graph=True too (autograd.first_order_only)
+            dq, dk, dv = backward_pass(ring, dout, q, k, v, out, lse,
+                                       comm.P2PRing(ctx.group) if ring.world > 1 else None)
+            # this rank's rows only (see ring_flash_attn_func)
+            dsink = None if sink is None else autograd.sink_grad(
+                sink, lse, autograd.by_head(dout.float() * out.float()).sum(-1))
+        grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
+        return *autograd.first_order_only((dout, q, k, v), grads), None, None
