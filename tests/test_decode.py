@@ -624,3 +624,25 @@ def test_warp_kernel_plan_keeps_a_triton_launch_for_strided_caches(monkeypatch):
     assert p.split.kernel is decode._split_kernel and p.split_any is None
     strided = torch.empty(2, 8, 128, 2).transpose(-1, -2)
     assert decode._whole_rows(torch.empty(2, 8, 2, 128)) and not decode._whole_rows(strided)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpret)])
+def test_empty_batch_returns_empty_outputs(backend):
+    """Batch 0 through flash_attn_with_kvcache (with and without an append), DecodePlan.run and
+    KVCache.attend: empty outputs shaped (0, seqlen_q, nheads, headdim) and LSE (0, nheads,
+    seqlen_q) on every path (the reference path raised torch.cat's error)."""
+    from flashtile import KVCache
+
+    q = torch.randn(0, 1, 4, 32).half()
+    k_cache, v_cache = torch.randn(0, 64, 2, 32).half(), torch.randn(0, 64, 2, 32).half()
+    new = torch.randn(0, 1, 2, 32).half()
+    empty_lengths = torch.zeros(0, dtype=torch.int32)
+    with api.use_backend(backend):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=empty_lengths, return_softmax_lse=True)
+        appended = flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=empty_lengths)
+        planned = DecodePlan(0, 4, k_cache.shape, [], dtype=torch.float16, device="cpu", seqlen_new=1).run(
+            q, k_cache, v_cache, new, new)
+        cache = KVCache(0, 64, 2, 32, dtype=torch.float16, device="cpu")
+        attended = cache.attend(q, new, new)
+    assert out.shape == appended.shape == planned.shape == attended.shape == (0, 1, 4, 32)
+    assert lse.shape == (0, 4, 1) and lse.dtype == torch.float32 and out.dtype == torch.float16

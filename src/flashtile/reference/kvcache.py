@@ -97,4 +97,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                                    slopes, compute_dtype=cdt, learnable_sink=learnable_sink)
         outs.append(out)
         lses.append(lse)
+    if not outs:  # an empty batch: empty outputs, as the kernels return
+        lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
+        return q.new_empty((0, sq, h, d), dtype=cdt), q.new_empty((0, h, sq), dtype=lse_dtype)
     return torch.cat(outs), torch.cat(lses)
