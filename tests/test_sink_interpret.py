@@ -236,3 +236,67 @@ def test_decoding_refuses_to_drop_gradients(backend, needs_grad):
             flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, learnable_sink=t)
         with torch.no_grad():
             flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, learnable_sink=t)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpret)])
+def test_infinite_sink_takes_every_row(backend):
+    """learnable_sink = +inf: every row's weight goes to the sink, so the output is 0, the LSE +inf
+    and no gradient reaches q, k, v or the sink (whose P is 1 and delta 0), on every path: prefill
+    forward and backward, a packed batch, decoding (split and not) and the merge. (The reference
+    path returned 0 / +inf, the kernels NaN; decoding's reference returned the keys' output.)
+    A finite head beside it is unchanged."""
+    inf = float("inf")
+    q, k, v = (torch.randn(2, 9, 2, 16, requires_grad=True) for _ in range(3))
+    sink = torch.tensor([inf, 0.3], requires_grad=True)
+    with api.use_backend(backend):
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v, sink), dout)
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        packed = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, learnable_sink=sink)
+        k_cache, v_cache = torch.randn(3, 40, 2, 16), torch.randn(3, 40, 2, 16)
+        decoded = [flashtile.flash_attn_with_kvcache(q.detach()[:1, :1].expand(3, 1, 2, 16), k_cache, v_cache,
+                                                     cache_seqlens=torch.tensor([40, 3, 0], dtype=torch.int32),
+                                                     learnable_sink=sink.detach(), num_splits=n, return_softmax_lse=True)
+                   for n in (1, 3)]
+        pieces = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3)
+        merged = flashtile.merge_attention_states(*pieces, learnable_sink=sink.detach()[:, None])
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0])) and bool((lse[:, 0] == inf).all())
+    ref_out, ref_lse = naive.attention(q.double(), k.double(), v.double(), causal=True, learnable_sink=sink.double())
+    torch.testing.assert_close(out[:, :, 1].double(), ref_out[:, :, 1], atol=1e-5, rtol=1e-5)
+    dq, dk, dv, dsink = grads
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    assert float(dsink[0]) == 0.0 and bool((dq[:, :, 0] == 0).all())
+    ref = naive.attention_backward(dout.double(), q.double(), k.double(), v.double(), causal=True,
+                                   learnable_sink=sink.double())
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
+    assert bool((packed[:, 0] == 0).all())
+    for o, l in decoded:
+        assert bool((o[:, :, 0] == 0).all()) and bool((l[:, 0] == inf).all()) and bool(torch.isfinite(o).all())
+    assert bool((merged[0][0] == 0).all()) and bool((merged[1][0] == inf).all())
+    assert bool(torch.isfinite(merged[0]).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpret)])
+def test_merge_of_pieces_whose_lse_is_infinite(backend):
+    """A piece with lse = +inf takes all the weight (out its out, lse +inf); several share it
+    equally (out their mean); -inf pieces still drop out. (Both paths gave NaN.)"""
+    inf = float("inf")
+    out = torch.randn(3, 3, 8)
+    lse = torch.tensor([[0.5, inf, -inf], [inf, 1.0, 2.0], [0.1, inf, -inf]])
+    with api.use_backend(backend):
+        merged, merged_lse = flashtile.merge_attention_states(out, lse)
+        with_sink = flashtile.merge_attention_states(out, lse, learnable_sink=torch.tensor([0.0, inf, 1.0]))
+    torch.testing.assert_close(merged[0], out[1, 0])
+    torch.testing.assert_close(merged[1], (out[0, 1] + out[2, 1]) / 2)
+    want = naive_merge(out[:, 2:], lse[:, 2:])
+    torch.testing.assert_close(merged[2:], want[0], atol=1e-5, rtol=1e-5)
+    assert merged_lse[:2].tolist() == [inf, inf]
+    torch.testing.assert_close(with_sink[0][1], (out[0, 1] + out[2, 1]) / 3)  # the sink's share holds 0
+    assert with_sink[1].tolist()[:2] == [inf, inf]
+
+
+def naive_merge(out, lse):
+    w = torch.softmax(lse.double(), 0)
+    return (w[..., None] * out.double()).sum(0).float(), torch.logsumexp(lse.double(), 0).float()

@@ -886,7 +886,8 @@ def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
     Arguments:
         out_partial: (S, *, headdim), float16 / bfloat16 / float32: each piece's normalised output.
         lse_partial: (S, *) float32, natural log. A piece with lse = -inf saw no key: it contributes
-            nothing, whatever its out_partial holds (NaN included).
+            nothing, whatever its out_partial holds (NaN included). Pieces with lse = +inf (a sink
+            of +inf) take all the weight, in equal shares: out is their mean, lse +inf.
         learnable_sink: optional attention sink (float32 / bfloat16 / float16) broadcastable to (*)
             - for pieces laid out (S, batch, nheads, seqlen), the sink (nheads,) as
             learnable_sink[:, None] - counted once, as one more piece with lse = the sink and out 0

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from flashtile import _checks
+from flashtile.reference._tiles import exp_minus
 
 
 def _window(left: Optional[int], right: Optional[int]) -> tuple[int, int]:
@@ -79,7 +80,7 @@ def sink_grad(sink, lse, delta):
     """d(sink) (h,) in sink's dtype: the sink's column of dS is P_sink (0 - delta) with P_sink =
     exp(sink - lse), summed over every row of each head. lse and delta shaped alike, the head dim
     second to last: (b, h, sq) or (h, total_q). A torch reduction: deterministic."""
-    g = torch.exp(sink.float()[:, None] - lse) * delta
+    g = exp_minus(sink.float()[:, None], lse) * delta  # a sink of +inf: weight 1 in every row
     dims = tuple(i for i in range(g.dim()) if i != g.dim() - 2)
     return (-g.sum(dims)).to(sink.dtype)
 

@@ -687,4 +687,14 @@ def fold_sink(acc, l_i, m_i, Sink, heads):
     m_new = tl.maximum(m_i, sink2)
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf on an empty row: stays empty
     alpha = tl.exp2(m_i - m_sub)
-    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink2 - m_sub), m_new
+    # a sink of +inf takes every row's weight (out 0, lse +inf) where its exp2(inf - inf) is NaN
+    return acc * alpha[:, None], l_i * alpha + exp_minus(sink2, m_sub, 1.0), m_new
+
+
+@triton.jit
+def exp_minus(x, m_sub, unit):
+    """exp2((x - m_sub) * unit) for a term x of a merge whose running max is m_sub (0 for an empty
+    row), unit 1 in the log2 domain and LOG2E in the natural one, with a term of +inf weighing 1
+    where inf - inf is NaN: it takes all the weight, shared equally with other +inf terms (a sink
+    of +inf, a piece whose LSE is +inf; reference._tiles.exp_minus)."""
+    return tl.exp2(tl.where(x == float("inf"), 0.0, (x - m_sub) * unit))

@@ -47,7 +47,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
-from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, fold_sink, kernel_scale,
+from flashtile.ops._common import (LN2, LOG2E, alibi_strides, dot_precision, exp_minus, fold_sink, kernel_scale,
                                    scores_log2, visible)
 
 
@@ -659,8 +659,8 @@ def _merge_splits(OutP, LseP, stride_s, stride_ls, num_splits, row_ok, row_mask,
             live = lse > float("-inf")
             m_new = tl.maximum(m, lse)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w = tl.exp2((lse - m_sub) * LOG2E)
-            alpha = tl.exp2((m - m_sub) * LOG2E)
+            w = exp_minus(lse, m_sub, LOG2E)
+            alpha = exp_minus(m, m_sub, LOG2E)
             acc = acc * alpha[:, None] + tl.where(live[:, None], w[:, None] * o, 0.0)
             l = l * alpha + w
             m = m_new
@@ -713,8 +713,8 @@ def _combine_kernel(
         live = lse > float("-inf")
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2((lse - m_sub) * LOG2E)  # (BLOCK_S,), 0 for empty splits
-        alpha = tl.exp2((m - m_sub) * LOG2E)
+        w = exp_minus(lse, m_sub, LOG2E)  # (BLOCK_S,), 0 for empty splits, 1 for +inf
+        alpha = exp_minus(m, m_sub, LOG2E)
         # issued beside the LSE load, not after it: an empty split's row (anything, NaN included)
         # is loaded too, and dropped by the select below
         o = tl.load(OutP + offs_s.to(tl.int64)[:, None] * stride_ps + offs_d[None, :] * stride_pd,

@@ -16,6 +16,7 @@ import torch
 from flashtile import _checks
 
 NEG_INF = float("-inf")
+POS_INF = float("inf")
 
 
 class NoCounter:
@@ -43,6 +44,13 @@ def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
     keeps l = 0 and O = 0. The papers' loops never meet this: their Algorithm 1 has no masks.
     """
     return m.masked_fill(m == NEG_INF, 0.0)
+
+
+def exp_minus(x: torch.Tensor, m) -> torch.Tensor:
+    """exp(x - m) for a term x of a log-sum-exp whose max (or total) is m, with exp(inf - inf) = 1:
+    a term of logit +inf (an attention sink of +inf, a piece whose LSE is +inf) takes all the
+    weight, shared equally with any other +inf term, where x - m would be NaN."""
+    return torch.exp(torch.where(x == POS_INF, 0.0, x - m))
 
 
 def nonzero(l: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from flashtile import _checks
 from flashtile.reference import _tiles, fa2
-from flashtile.reference._tiles import finite_or_zero, nonzero
+from flashtile.reference._tiles import exp_minus, finite_or_zero, nonzero
 
 
 def split_bounds(seqlen_k: int, num_splits: int) -> list[int]:
@@ -72,9 +72,13 @@ def add_sink(out, lse, sink):
     """Fold the attention sink into finished attention: out (*, d) and lse (*) over some keys, and
     one more key of logit `sink` (broadcastable to lse's shape) with no value. Returns (out * exp(lse -
     lse'), lse') with lse' = logaddexp(lse, sink), in the inputs' dtypes: a row that saw no key
-    gets out 0 and lse = sink."""
-    new = torch.logaddexp(lse, sink.to(lse.dtype))
-    w = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - finite_or_zero(new)))  # (*)
+    gets out 0 and lse = sink; a sink of +inf takes all the weight (out 0, lse +inf), shared
+    equally with attention whose lse is +inf too (exp_minus)."""
+    sink = sink.to(lse.dtype)
+    new = torch.logaddexp(lse, sink)
+    m = finite_or_zero(new)
+    w, w_sink = exp_minus(lse, m), exp_minus(sink, m)  # (*): w + w_sink = 1 unless both are +inf or empty
+    w = w / nonzero(w + w_sink)
     return (out * w[..., None].to(out.dtype)).to(out.dtype), new
 
 
@@ -84,8 +88,9 @@ def merge(out_partial, lse_partial, counter=None, sink=None):
     out_partial (S, *, d) and lse_partial (S, *) with the same leading shape, float dtypes, natural
     log; S >= 1. Computes in float32 (float64 if either input is float64). out (*, d) in
     out_partial's dtype, lse (*) in lse_partial's dtype. Splits with lse -inf contribute nothing
-    (whatever their out holds); where every split is empty, out is 0 and lse -inf. sink: the
-    attention sink's logit, broadcastable to (*), added once (`add_sink`), or None.
+    (whatever their out holds); where every split is empty, out is 0 and lse -inf. Splits with lse
+    +inf take all the weight, in equal shares (out their mean, lse +inf). sink: the attention
+    sink's logit, broadcastable to (*), added once as one more piece (out 0), or None.
     """
     if not isinstance(out_partial, torch.Tensor):
         raise TypeError(f"out_partial must be a torch.Tensor, got {type(out_partial).__name__}")
@@ -103,15 +108,17 @@ def merge(out_partial, lse_partial, counter=None, sink=None):
     dtype = torch.promote_types(_tiles.compute_dtype(out_partial.dtype),
                                 _tiles.compute_dtype(lse_partial.dtype))
     L_s = lse_partial.to(dtype)  # (S, *)
+    O_s = out_partial.to(dtype)  # (S, *, d)
+    if sink is not None:  # one more piece, out 0 and lse = the sink (as the kernels start their merge)
+        L_s = torch.cat((L_s, torch.broadcast_to(sink.to(dtype), L_s.shape[1:])[None]))
+        O_s = torch.cat((O_s, O_s.new_zeros((1,) + O_s.shape[1:])))
     L_max = finite_or_zero(L_s.amax(0))  # (*), 0 where every split is empty
-    w = torch.exp(L_s - L_max)  # (S, *) exp(L_s - L_max); 0 for an empty split
+    w = exp_minus(L_s, L_max)  # (S, *) exp(L_s - L_max); 0 for an empty split, 1 for +inf
     w_sum = w.sum(0)  # (*)
-    O_s = torch.where(w[..., None] > 0, out_partial.to(dtype), 0.0)  # (S, *, d) empty splits dropped
+    O_s = torch.where(w[..., None] > 0, O_s, 0.0)  # (S, *, d) empty splits dropped
     out = (w[..., None] * O_s).sum(0) / nonzero(w_sum)[..., None]  # (*, d)
     # -inf where every split is empty, through a where: log(0)'s gradient would be NaN there
     lse = torch.where(w_sum > 0, L_max + torch.log(nonzero(w_sum)), float("-inf"))  # (*)
-    if sink is not None:
-        out, lse = add_sink(out, lse, sink)
     io.write(out, lse)
     return out.to(out_partial.dtype), lse.to(lse_partial.dtype)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import _checks
+from flashtile.reference import _tiles
 
 
 def visible(sq: int, sk: int, window_size=(-1, -1), causal: bool = False, device=None) -> torch.Tensor:
@@ -100,7 +101,8 @@ def _softmax(s: torch.Tensor, ok: torch.Tensor, sink=None):
     lse = torch.logsumexp(s, dim=-1)  # (b, h, sq); -inf on empty rows
     if sink is not None:
         lse = torch.logaddexp(lse, sink.to(lse.dtype)[:, None])
-    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
+    # an empty row (lse -inf) subtracts 0; a sink of +inf (lse +inf) leaves every key P = 0
+    p = torch.exp(s - lse.unsqueeze(-1).masked_fill((lse == float("-inf")).unsqueeze(-1), 0.0))
     p = p.masked_fill(~ok, 0.0)
     return p, lse
 
@@ -163,4 +165,4 @@ def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, window_s
     if learnable_sink is None:
         return grads
     t = learnable_sink.to(lse.dtype)[:, None]  # (h, 1)
-    return (*grads, -(torch.exp(t - lse) * delta[..., 0]).sum((0, 2)))
+    return (*grads, -(_tiles.exp_minus(t, lse) * delta[..., 0]).sum((0, 2)))
