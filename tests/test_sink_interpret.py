@@ -239,6 +239,30 @@ def test_decoding_refuses_to_drop_gradients(backend, needs_grad):
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpret)])
+@pytest.mark.parametrize("grad_mode", ["enabled", "no_grad"])
+@pytest.mark.parametrize("cache", ["k_cache", "v_cache"])
+def test_append_into_a_cache_that_requires_grad_raises(backend, cache, grad_mode):
+    """An append into a k_cache or v_cache that requires grad is an error naming it, in either grad
+    mode, and writes nothing (the kernel path wrote into the leaf; the reference path raised
+    torch's in-place message after writing the other cache). Reading such a cache with gradients
+    enabled is the no-backward error."""
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    caches = {"k_cache": torch.randn(2, 8, 2, 16), "v_cache": torch.randn(2, 8, 2, 16)}
+    caches[cache].requires_grad_()
+    before = [c.detach().clone() for c in caches.values()]
+    with api.use_backend(backend), torch.set_grad_enabled(grad_mode == "enabled"):
+        with pytest.raises(RuntimeError, match=f"{cache} requires grad: appending"):
+            flashtile.flash_attn_with_kvcache(q, *caches.values(), k, v, cache_seqlens=3)
+        with pytest.raises(RuntimeError, match=f"{cache} requires grad: appending"):
+            flashtile.DecodePlan(2, 4, (2, 8, 2, 16), [3, 3], dtype=torch.float32, device="cpu",
+                                 seqlen_new=1).run(q, *caches.values(), k, v)
+        if grad_mode == "enabled":
+            with pytest.raises(RuntimeError, match="no backward"):
+                flashtile.flash_attn_with_kvcache(q, *caches.values(), cache_seqlens=3)
+    assert all(torch.equal(c.detach(), b) for c, b in zip(caches.values(), before))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpret)])
 def test_infinite_sink_takes_every_row(backend):
     """learnable_sink = +inf: every row's weight goes to the sink, so the output is 0, the LSE +inf
     and no gradient reaches q, k, v or the sink (whose P is 1 and delta 0), on every path: prefill

@@ -667,13 +667,21 @@ class DecodePlan:
         """run's work once its tensors matched the plan."""
         if learnable_sink is not None:
             learnable_sink = _checks.check_sink(learnable_sink, self.nheads, self.device)
-        if k is not None and (0 in k_cache.stride() or 0 in v_cache.stride()):
-            _check_no_aliased_rows(k_cache, v_cache)
+        if k is not None:
+            if 0 in k_cache.stride() or 0 in v_cache.stride():
+                _check_no_aliased_rows(k_cache, v_cache)
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if cache.requires_grad:
+                    raise RuntimeError(f"{name} requires grad: appending k and v writes into it in place, under "
+                                       f"autograd's feet (nothing was written); pass a cache that does not require "
+                                       f"grad, e.g. {name}.detach() or a buffer of its own")
         if torch.is_grad_enabled() and (q.requires_grad or k is not None and (k.requires_grad or v.requires_grad)
+                                        or k_cache.requires_grad or v_cache.requires_grad
                                         or learnable_sink is not None and learnable_sink.requires_grad):
             raise RuntimeError("flash_attn_with_kvcache / DecodePlan.run have no backward (as flash-attn's): call "
                                "them under torch.no_grad() or torch.inference_mode(), or train through "
-                               "flash_attn_func / flash_attn_varlen_func (q, k, v or learnable_sink requires grad)")
+                               "flash_attn_func / flash_attn_varlen_func (q, k, v, k_cache, v_cache or "
+                               "learnable_sink requires grad)")
         out, lse = self._run(q, k_cache, v_cache, k, v, return_softmax_lse, learnable_sink)
         return (out, lse) if return_softmax_lse else out
 
