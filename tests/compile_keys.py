@@ -6,7 +6,7 @@ plus the specialisation of every argument (a pointer's dtype and 16-byte alignme
 and whether 16 divides it or it is 1, unless the kernel says do_not_specialize; each constexpr's
 value) and the launch options. Two launches with equal keys run one compiled binary; a key not
 seen before is a compilation. With `as_h100=True` the dispatch also believes it runs on an H100
-(configs.capability answers (9, 0)), so the Hopper kernels and the tiles chosen for the GPU are
+(configs.on_gpu and configs.capability answer so), so the Hopper kernels and the tiles chosen for the GPU are
 what gets keyed, on CPU tensors.
 """
 
@@ -83,7 +83,7 @@ def recording(as_h100: bool = False):
     saved = [(m, "launch", m.launch) for m in (_launch, forward, backward, decode) if hasattr(m, "launch")]
     saved.append((_launch.Prepared, "__call__", _launch.Prepared.__call__))
     if as_h100:
-        saved += [(configs, "capability", configs.capability),
+        saved += [(configs, "capability", configs.capability), (configs, "on_gpu", configs.on_gpu),
                   (forward, "tile_counter", forward.tile_counter),
                   (decode, "current_stream", decode.current_stream)]
     try:
@@ -94,6 +94,7 @@ def recording(as_h100: bool = False):
         if as_h100:
             _clear_config_caches()
             configs.capability = lambda device: (9, 0)
+            configs.on_gpu = lambda device: True
             forward.tile_counter = lambda device: torch.zeros(1, dtype=torch.int32, device=device)
             decode.current_stream = lambda device: 0
         yield rec

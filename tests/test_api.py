@@ -296,3 +296,16 @@ def test_eager_function_matches_custom_op(backend):
         results.append((out, lse, *torch.autograd.grad(out, (q, k, v, sink), dout)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_messages_name_the_callers_argument():
+    """scaled_dot_product_attention's scale is `scale` in its errors (it said softmax_scale), and a
+    dtype list names each dtype once (a float64 rotary table was told 'float32, float32')."""
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"^scale must be a finite non-zero number"):
+        flashtile.scaled_dot_product_attention(q, q, q, scale=0)
+    cos = torch.randn(32, 8, dtype=torch.float64)
+    new = torch.randn(1, 1, 2, 16)
+    with pytest.raises(TypeError, match=r"rotary_cos must have dtype in \(float32\), got torch.float64"):
+        flashtile.flash_attn_with_kvcache(new, torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16), new, new,
+                                          rotary_cos=cos, rotary_sin=cos, cache_seqlens=3)

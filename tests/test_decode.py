@@ -646,3 +646,26 @@ def test_empty_batch_returns_empty_outputs(backend):
         attended = cache.attend(q, new, new)
     assert out.shape == appended.shape == planned.shape == attended.shape == (0, 1, 4, 32)
     assert lse.shape == (0, 4, 1) and lse.dtype == torch.float32 and out.dtype == torch.float16
+
+
+@pytest.mark.parametrize("case", ["page-index", "pages-overflow", "cache-overflow"])
+def test_overflow_errors_are_runtime_errors_too(case):
+    """flash-attn raises RuntimeError for a cache or block_table overflow (its own test does
+    pytest.raises(RuntimeError, match="block_table")); flashtile's argument errors are ValueErrors
+    and RuntimeErrors both (_checks.ArgumentError), so code written against either catches them."""
+    import flashtile
+
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16)
+    pages = torch.randn(6, 16, 2, 16)
+    if case == "cache-overflow":
+        call = lambda: flash_attn_with_kvcache(q, torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16), k, k,
+                                               cache_seqlens=8)
+        match = "cache overflow"
+    else:
+        table = [[0, 7], [2, 3]] if case == "page-index" else [[0, 1], [2, 3]]
+        call = lambda: flash_attn_with_kvcache(q, pages, pages.clone(), k, k, cache_seqlens=20 if case == "page-index"
+                                               else 32, block_table=torch.tensor(table, dtype=torch.int32))
+        match = "block_table"
+    for kind in (RuntimeError, ValueError, flashtile.ArgumentError):
+        with pytest.raises(kind, match=match):
+            call()

@@ -3,6 +3,7 @@
 Re-exports only. Importing flashtile does not import triton: the kernels load on first use.
 """
 
+from flashtile._checks import ArgumentError
 from flashtile.api import (
     DecodePlan,
     flash_attn_func,

@@ -19,13 +19,19 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADDIM = 256
 
 
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument value (a shape, a length, a cache that overflows, a page index out of range):
+    a ValueError, and a RuntimeError as well, which is what flash-attn's checks raise, so code
+    written against flash-attn (`pytest.raises(RuntimeError, match="block_table")`) catches it."""
+
+
 def check_tensor(name: str, t, ndim: int, dtypes=FLOAT_DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        allowed = ", ".join(dict.fromkeys(str(d).replace("torch.", "") for d in dtypes))  # (float32, q's) once
         raise TypeError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
 
 
@@ -34,7 +40,7 @@ def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> 
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
     if t.device != ref.device:
-        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}")
+        raise ArgumentError(f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -47,15 +53,15 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
     b, sq, h, d = q.shape
     bk, sk, hk, dk = k.shape
     if bk != b:
-        raise ValueError(f"k must have batch size {b} (as q), got {bk}")
+        raise ArgumentError(f"k must have batch size {b} (as q), got {bk}")
     if dk != d:
-        raise ValueError(f"k must have head dim {d} (as q), got {dk}")
+        raise ArgumentError(f"k must have head dim {d} (as q), got {dk}")
     if tuple(v.shape) != (b, sk, hk, d):
-        raise ValueError(f"v must have shape {(b, sk, hk, d)} (as k), got {tuple(v.shape)}")
+        raise ArgumentError(f"v must have shape {(b, sk, hk, d)} (as k), got {tuple(v.shape)}")
     if d < 1 or d > MAX_HEADDIM:
-        raise ValueError(f"head dim must be in 1..{MAX_HEADDIM}, got {d}")
+        raise ArgumentError(f"head dim must be in 1..{MAX_HEADDIM}, got {d}")
     if hk < 1 or h % hk != 0:
-        raise ValueError(
+        raise ArgumentError(
             f"the number of query heads ({h}) must be a multiple of the number of key/value heads ({hk})"
         )
     return b, sq, sk, h, hk, d
@@ -78,7 +84,7 @@ def check_int(name: str, x, minimum: int = 0) -> int:
         except TypeError:
             raise TypeError(f"{name} must be an int, got {type(x).__name__}") from None
     if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+        raise ArgumentError(f"{name} must be >= {minimum}, got {x}")
     return x
 
 
@@ -108,13 +114,13 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
         return window_size[0], (0 if causal else window_size[1])  # the common case, on every call's host path
     if isinstance(window_size, (torch.Tensor, np.ndarray)):
         if (window_size.size if isinstance(window_size, np.ndarray) else window_size.numel()) != 2:
-            raise ValueError(f"window_size must be a pair (left, right), got a {type(window_size).__name__} of shape "
-                             f"{tuple(window_size.shape)}")
+            raise ArgumentError(f"window_size must be a pair (left, right), got a {type(window_size).__name__} of "
+                                f"shape {tuple(window_size.shape)}")
         if isinstance(window_size, torch.Tensor) and window_size.device.type == "meta":
-            raise ValueError("window_size must hold values, got a tensor on the meta device")
+            raise ArgumentError("window_size must hold values, got a tensor on the meta device")
         window_size = window_size.flatten()
     elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+        raise ArgumentError(f"window_size must be a pair (left, right), got {window_size!r}")
     left, right = (max(check_int(f"window_size {side}", x, -math.inf), -1)
                    for side, x in zip(("left", "right"), window_size))
     if causal:
@@ -125,7 +131,7 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
 def check_softcap(softcap: float) -> float:
     softcap = _real("softcap", softcap)
     if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+        raise ArgumentError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     return softcap
 
 
@@ -149,9 +155,9 @@ def check_alibi(alibi_slopes, b: int, h: int, device) -> None:
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
     if tuple(alibi_slopes.shape) not in ((h,), (b, h)):
-        raise ValueError(f"alibi_slopes must have shape ({h},) or ({b}, {h}), got {tuple(alibi_slopes.shape)}")
+        raise ArgumentError(f"alibi_slopes must have shape ({h},) or ({b}, {h}), got {tuple(alibi_slopes.shape)}")
     if alibi_slopes.device != device:
-        raise ValueError(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
+        raise ArgumentError(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
 
 
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -167,10 +173,10 @@ def check_sink(learnable_sink, h: int, device) -> Optional[torch.Tensor]:
     if learnable_sink.dtype not in SINK_DTYPES:
         raise TypeError(f"learnable_sink must be float32, bfloat16 or float16, got {learnable_sink.dtype}")
     if tuple(learnable_sink.shape) != (h,):
-        raise ValueError(f"learnable_sink must have shape ({h},) (one logit per query head), "
-                         f"got {tuple(learnable_sink.shape)}")
+        raise ArgumentError(f"learnable_sink must have shape ({h},) (one logit per query head), "
+                            f"got {tuple(learnable_sink.shape)}")
     if learnable_sink.device != device:
-        raise ValueError(f"learnable_sink must be on {device}, got {learnable_sink.device}")
+        raise ArgumentError(f"learnable_sink must be on {device}, got {learnable_sink.device}")
     return learnable_sink.contiguous()
 
 
@@ -187,10 +193,10 @@ def check_sink_rows(learnable_sink, rows: tuple, device) -> None:
     except RuntimeError:
         ok = False
     if not ok:
-        raise ValueError(f"learnable_sink must broadcast to {rows} (lse_partial without S), got "
-                         f"{tuple(learnable_sink.shape)}")
+        raise ArgumentError(f"learnable_sink must broadcast to {rows} (lse_partial without S), got "
+                            f"{tuple(learnable_sink.shape)}")
     if learnable_sink.device != device:
-        raise ValueError(f"learnable_sink must be on {device}, got {learnable_sink.device}")
+        raise ArgumentError(f"learnable_sink must be on {device}, got {learnable_sink.device}")
 
 
 def check_dropout_p(dropout_p: float) -> float:
@@ -198,20 +204,20 @@ def check_dropout_p(dropout_p: float) -> float:
         return dropout_p
     dropout_p = _real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        raise ArgumentError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
 
 
 _FP32_MAX = torch.finfo(torch.float32).max  # the kernels take the scale as float32
 
 
-def default_scale(softmax_scale, d: int) -> float:
+def default_scale(softmax_scale, d: int, name: str = "softmax_scale") -> float:
+    """The scale of the scores (d ** -0.5 by default); name: the caller's argument (SDPA's `scale`)."""
     if softmax_scale is None:
         return d ** -0.5
-    softmax_scale = _real("softmax_scale", softmax_scale)
+    softmax_scale = _real(name, softmax_scale)
     if not math.isfinite(softmax_scale) or softmax_scale == 0 or abs(softmax_scale) > _FP32_MAX:
-        raise ValueError(f"softmax_scale must be a finite non-zero number within float32's range, got "
-                         f"{softmax_scale}")
+        raise ArgumentError(f"{name} must be a finite non-zero number within float32's range, got {softmax_scale}")
     return softmax_scale
 
 
@@ -335,22 +341,22 @@ def check_index_tensor(name: str, t, device, shape: tuple) -> None:
         raise TypeError(f"{name} must be int32, got {t.dtype}")
     if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
         want = "(" + ", ".join("n" if w is None else str(w) for w in shape) + ("," if len(shape) == 1 else "") + ")"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+        raise ArgumentError(f"{name} must be on the device of q ({device}), got {t.device}")
 
 
 def _check_offsets(name: str, values: list, total: Optional[int]) -> list[int]:
     """cu_seqlens values: from 0, non-decreasing, ending at total (when given); returns the lengths."""
     if values[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+        raise ArgumentError(f"{name}[0] must be 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
     for i, n in enumerate(lengths):
         if n < 0:
-            raise ValueError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {values[i + 1]} < "
-                             f"{name}[{i}] = {values[i]}")
+            raise ArgumentError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {values[i + 1]} < "
+                                f"{name}[{i}] = {values[i]}")
     if total is not None and values[-1] != total:
-        raise ValueError(f"{name}[-1] must equal the number of packed rows ({total}), got {values[-1]}")
+        raise ArgumentError(f"{name}[-1] must equal the number of packed rows ({total}), got {values[-1]}")
     return lengths
 
 
@@ -373,25 +379,25 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     total_q, h, d = q.shape
     hk = k.shape[-2]
     if k.shape[-1] != d:
-        raise ValueError(f"k must have head dim {d} (as q), got {k.shape[-1]}")
+        raise ArgumentError(f"k must have head dim {d} (as q), got {k.shape[-1]}")
     if v.shape != k.shape:
-        raise ValueError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
+        raise ArgumentError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
     if d < 1 or d > MAX_HEADDIM:
-        raise ValueError(f"head dim must be in 1..{MAX_HEADDIM}, got {d}")
+        raise ArgumentError(f"head dim must be in 1..{MAX_HEADDIM}, got {d}")
     if hk < 1 or h % hk != 0:
-        raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of "
-                         f"key/value heads ({hk})")
+        raise ArgumentError(f"the number of query heads ({h}) must be a multiple of the number of "
+                            f"key/value heads ({hk})")
     check_index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
     b = cu_seqlens_q.shape[0] - 1
     if b < 0:
-        raise ValueError("cu_seqlens_q must hold batch + 1 offsets, got an empty tensor")
+        raise ArgumentError("cu_seqlens_q must hold batch + 1 offsets, got an empty tensor")
     if seqused_k is not None:
         check_index_tensor("seqused_k", seqused_k, q.device, (b,))
     derived_k = cu_seqlens_k is None
     if derived_k:
         if not (paged and seqused_k is not None):
-            raise ValueError("cu_seqlens_k may be None only with block_table and seqused_k (the keys of "
-                             "each sequence are then its first seqused_k[b] paged keys)")
+            raise ArgumentError("cu_seqlens_k may be None only with block_table and seqused_k (the keys of "
+                                "each sequence are then its first seqused_k[b] paged keys)")
         cu_seqlens_k = torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
     check_index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (b + 1,))
     max_seqlen_q = check_int("max_seqlen_q", max_seqlen_q)
@@ -399,14 +405,14 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if paged:
         check_index_tensor("block_table", block_table, q.device, (b, None))
         if block_table.shape[1] < 1:
-            raise ValueError(f"block_table must have shape (batch, max_pages) with max_pages >= 1, got "
-                             f"{tuple(block_table.shape)}")
+            raise ArgumentError(f"block_table must have shape (batch, max_pages) with max_pages >= 1, got "
+                                f"{tuple(block_table.shape)}")
         if k.shape[0] < 1:
-            raise ValueError(f"k must hold at least one page with a block_table, got shape {tuple(k.shape)}")
+            raise ArgumentError(f"k must hold at least one page with a block_table, got shape {tuple(k.shape)}")
         page_size = k.shape[1]
         if page_size % 16 != 0:
-            raise ValueError(f"the page size (k.shape[1] with a block_table) must be a multiple of 16, "
-                             f"got {page_size}")
+            raise ArgumentError(f"the page size (k.shape[1] with a block_table) must be a multiple of 16, "
+                                f"got {page_size}")
         capacity = block_table.shape[1] * page_size
 
     vq = host_values(cu_seqlens_q)
@@ -414,15 +420,15 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         lengths_q = _check_offsets("cu_seqlens_q", vq, total_q)
         if b and max(lengths_q) > max_seqlen_q:
             row = lengths_q.index(max(lengths_q))
-            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is smaller than sequence {row}'s length "
-                             f"{lengths_q[row]} (cu_seqlens_q)")
+            raise ArgumentError(f"max_seqlen_q ({max_seqlen_q}) is smaller than sequence {row}'s length "
+                                f"{lengths_q[row]} (cu_seqlens_q)")
     # cu_seqlens_k derived from seqused_k above is a new tensor each call: check seqused_k instead
     vk = host_values(seqused_k) if derived_k else host_values(cu_seqlens_k)
     if vk is not None:
         if derived_k:  # offsets of seqused_k's values: a negative one is seqused_k's error, not cu_seqlens_k's
             for i, n in enumerate(vk):
                 if n < 0:
-                    raise ValueError(f"seqused_k[{i}] = {n} must be >= 0")
+                    raise ArgumentError(f"seqused_k[{i}] = {n} must be >= 0")
             vk = [0, *itertools.accumulate(vk)]
         lengths_k = _check_offsets("cu_seqlens_k", vk, None if paged else k.shape[0])
         used = host_values(seqused_k) if seqused_k is not None else lengths_k
@@ -430,15 +436,15 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             for i, (n, m) in enumerate(zip(used, lengths_k)):
                 if paged and n > capacity:
                     source = "seqused_k" if seqused_k is not None else "cu_seqlens_k"
-                    raise ValueError(f"sequence {i} has {n} keys ({source}) but block_table reaches {capacity} "
-                                     f"({block_table.shape[1]} pages of {k.shape[1]})")
+                    raise ArgumentError(f"sequence {i} has {n} keys ({source}) but block_table reaches {capacity} "
+                                        f"({block_table.shape[1]} pages of {k.shape[1]})")
                 if n < 0 or (not paged and n > m):
                     limit = f"{capacity} (the page table's reach)" if paged else f"{m} (its cu_seqlens_k length)"
-                    raise ValueError(f"seqused_k[{i}] = {n} must be in 0..{limit}")
+                    raise ArgumentError(f"seqused_k[{i}] = {n} must be in 0..{limit}")
             if b and max(used) > max_seqlen_k:
                 row = used.index(max(used))
-                raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is smaller than sequence {row}'s "
-                                 f"{used[row]} keys")
+                raise ArgumentError(f"max_seqlen_k ({max_seqlen_k}) is smaller than sequence {row}'s "
+                                    f"{used[row]} keys")
             if paged:
                 table = host_copy(block_table)
                 if table is not None:  # one vectorised pass: serving batches hold thousands of slots
@@ -447,8 +453,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                     bad = reads & ((table < 0) | (table >= k.shape[0]))
                     if bool(bad.any()):
                         i, slot = (int(x) for x in bad.nonzero()[0])
-                        raise ValueError(f"block_table[{i}, {slot}] = {int(table[i, slot])} is not a page of k "
-                                         f"(it holds {k.shape[0]}), and sequence {i} reads it")
+                        raise ArgumentError(f"block_table[{i}, {slot}] = {int(table[i, slot])} is not a page of k "
+                                            f"(it holds {k.shape[0]}), and sequence {i} reads it")
     # the kernels read index tensors with unit strides (a view with other strides is copied)
     return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
                   None if seqused_k is None else seqused_k.contiguous(),
@@ -493,7 +499,7 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
     if n.min() < 0 or ends.max() > capacity:
         row = int(np.flatnonzero((n < 0) | (ends > capacity))[0])
         if n[row] < 0:
-            raise ValueError(f"cache_seqlens[{row}] = {n[row]} must be >= 0")
+            raise ArgumentError(f"cache_seqlens[{row}] = {n[row]} must be >= 0")
         _overflow(row, n[row], seqlen_new, capacity, page_size)
     starts = np.zeros_like(n)
     if leftpad is not None:
@@ -501,13 +507,13 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
         bad = (starts < 0) | (starts > n)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"cache_leftpad[{row}] = {starts[row]} must be in [0, cache_seqlens[{row}] = {n[row]}]")
+            raise ArgumentError(f"cache_leftpad[{row}] = {starts[row]} must be in [0, cache_seqlens[{row}] = {n[row]}]")
     if batch_idx is not None:
         rows = batch_idx.numpy()
         if rows.min() < 0 or rows.max() >= cache_rows:
             row = int(np.flatnonzero((rows < 0) | (rows >= cache_rows))[0])
-            raise ValueError(f"cache_batch_idx[{row}] = {rows[row]} is not a sequence of k_cache (it holds "
-                             f"{cache_rows})")
+            raise ArgumentError(f"cache_batch_idx[{row}] = {rows[row]} is not a sequence of k_cache (it holds "
+                                f"{cache_rows})")
         if seqlen_new:
             _check_disjoint(rows[:, None], lambda r: f"sequence {r} of k_cache (cache_batch_idx)")
     if table is not None:
@@ -519,8 +525,8 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
         bad = reads & (pages.view(np.uint32) >= cache_rows)  # a negative page reads as a huge unsigned one
         if bad.any():
             row, col = (int(x) for x in np.argwhere(bad)[0])
-            raise ValueError(f"block_table[{row}, {col}] = {pages[row, col]} is not a page of k_cache "
-                             f"(num_blocks = {cache_rows}), and batch row {row} uses it")
+            raise ArgumentError(f"block_table[{row}, {col}] = {pages[row, col]} is not a page of k_cache "
+                                f"(num_blocks = {cache_rows}), and batch row {row} uses it")
         if seqlen_new:
             pos = n[:, None] + np.arange(seqlen_new)[None, :]  # (b, seqlen_new) written positions
             slots = np.take_along_axis(pages, pos // page_size, 1) * page_size + pos % page_size
@@ -534,13 +540,13 @@ def check_cache_values(lengths, b: int, seqlen_new: int, capacity: int, cache_ro
 def _overflow(row: int, held: int, seqlen_new: int, capacity: int, page_size: int):
     reach = (f"block_table reaches {capacity} ({capacity // page_size} pages of {page_size})" if page_size
              else f"k_cache holds {capacity} per sequence (k_cache.shape[1])")
-    raise ValueError(f"cache overflow: batch row {row} holds {held} tokens (cache_seqlens) and appends "
-                     f"{seqlen_new}, but {reach}")
+    raise ArgumentError(f"cache overflow: batch row {row} holds {held} tokens (cache_seqlens) and appends "
+                        f"{seqlen_new}, but {reach}")
 
 
 def _rotary_short(rotary_len: int, reach: int):
-    raise ValueError(f"rotary_cos/rotary_sin have {rotary_len} positions, but the new tokens and queries "
-                     f"reach position {reach - 1}")
+    raise ArgumentError(f"rotary_cos/rotary_sin have {rotary_len} positions, but the new tokens and queries "
+                        f"reach position {reach - 1}")
 
 
 def _check_unread(slots, pages, reads, starts, ends, page_size: int, cache_rows: int) -> None:
@@ -567,11 +573,11 @@ def _check_unread(slots, pages, reads, starts, ends, page_size: int, cache_rows:
         lo, hi = max(int(starts[r]) - c * page_size, 0), min(int(ends[r]) - c * page_size, page_size)
         for slot, (w, wc) in written[page].items():
             if w != r and lo <= slot < hi:
-                raise ValueError(f"batch row {w} would append into row {slot} of page {page} (block_table), which "
-                                 f"batch row {r} reads: a page shared that far cannot take new keys")
+                raise ArgumentError(f"batch row {w} would append into row {slot} of page {page} (block_table), which "
+                                    f"batch row {r} reads: a page shared that far cannot take new keys")
             if wc != c and lo <= slot < hi:
-                raise ValueError(f"batch row {r} lists page {page} in columns {c} and {wc} of block_table: its "
-                                 f"append through column {wc} would overwrite keys it reads through column {c}")
+                raise ArgumentError(f"batch row {r} lists page {page} in columns {c} and {wc} of block_table: its "
+                                    f"append through column {wc} would overwrite keys it reads through column {c}")
 
 
 def _check_disjoint(written: np.ndarray, where) -> None:
@@ -586,6 +592,6 @@ def _check_disjoint(written: np.ndarray, where) -> None:
         j = int(same[0])
         a, b = (int(order[i]) // written.shape[1] for i in (j, j + 1))
         cache_row = where(int(flat[order[j]]))
-        raise ValueError(f"batch rows {a} and {b} would both append into {cache_row}: one write would replace "
-                         f"the other" if a != b else
-                         f"batch row {a} would append into {cache_row} twice (its block_table lists a page twice)")
+        raise ArgumentError(f"batch rows {a} and {b} would both append into {cache_row}: one write would replace "
+                            f"the other" if a != b else
+                            f"batch row {a} would append into {cache_row} twice (its block_table lists a page twice)")

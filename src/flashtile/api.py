@@ -16,6 +16,7 @@ import os
 import torch
 
 from flashtile import _checks, autograd
+from flashtile._checks import ArgumentError
 
 _BACKENDS = ("auto", "triton", "reference")
 _forced = "auto"
@@ -26,7 +27,7 @@ def use_backend(name: str):
     """Force the backend inside a `with` block: "triton", "reference" or "auto" (the default)."""
     global _forced
     if name not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
+        raise ArgumentError(f"backend must be one of {_BACKENDS}, got {name!r}")
     old, _forced = _forced, name
     try:
         yield
@@ -120,13 +121,14 @@ def _gather_pages(k, v, varlen):
     return k.flatten(0, 1)[rows], v.flatten(0, 1)[rows], gathered
 
 
-def _check_options(q, b, h, d, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
+def _check_options(q, b, h, d, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                   scale_name="softmax_scale"):
     """The options every prefill function shares -> (scale, window with None = unbounded, softcap,
-    dropout_p)."""
+    dropout_p). scale_name: what the caller calls softmax_scale (SDPA: scale)."""
     if q.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"q, k, v must be float16, bfloat16 or float32, got {q.dtype}")
     dropout_p = _checks.check_dropout_p(dropout_p)
-    scale = _checks.default_scale(softmax_scale, d)
+    scale = _checks.default_scale(softmax_scale, d, scale_name)
     left, right = _checks.check_window(window_size, causal)
     softcap = _checks.check_softcap(softcap)
     _checks.check_alibi(alibi_slopes, b, h, q.device)
@@ -134,9 +136,11 @@ def _check_options(q, b, h, d, softmax_scale, causal, window_size, softcap, alib
     return scale, window, softcap, dropout_p
 
 
-def _check_common(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p):
+def _check_common(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                  scale_name="softmax_scale"):
     b, sq, sk, h, hk, d = _checks.check_qkv(q, k, v)
-    return _check_options(q, b, h, d, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+    return _check_options(q, b, h, d, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                          scale_name)
 
 
 def _outputs(out, lse, return_attn_probs):
@@ -212,7 +216,7 @@ def _unpack(name: str, t, ndim: int, n: int, layout: str):
     """The n tensors packed along dim -3 of t (qkv / kv), as strided views."""
     _checks.check_tensor(name, t, ndim)
     if t.shape[-3] != n:
-        raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
     return t.unbind(-3)
 
 
@@ -353,11 +357,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _checks.check_tensor("key", key, 4)
     _checks.check_tensor("value", value, 4)
     if not enable_gqa and key.shape[1] not in (query.shape[1], 1):
-        raise ValueError(f"key must have {query.shape[1]} heads (as query) or one unless enable_gqa=True, "
-                         f"got {key.shape[1]}")
+        raise ArgumentError(f"key must have {query.shape[1]} heads (as query) or one unless enable_gqa=True, "
+                            f"got {key.shape[1]}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BHLE -> BSHD views
     sq, sk = q.shape[1], k.shape[1]
-    scale_, window, softcap, dropout_p = _check_common(q, k, v, scale, False, (-1, -1), 0.0, None, dropout_p)
+    scale_, window, softcap, dropout_p = _check_common(q, k, v, scale, False, (-1, -1), 0.0, None, dropout_p,
+                                                       scale_name="scale")
     if is_causal:
         # top-left: query i sees keys j <= i. With sq <= sk no query sees past key sq - 1, so that
         # is bottom-right causal over the first sq keys; with sq > sk it is a window right = sq - sk.
@@ -383,13 +388,13 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> int:
     _checks.check_same("v_cache", v_cache, "q", q)
     b, sq, h, d = q.shape
     if sq < 1:
-        raise ValueError(f"q must hold at least one query per sequence, got shape {tuple(q.shape)}")
+        raise ArgumentError(f"q must hold at least one query per sequence, got shape {tuple(q.shape)}")
     if k_cache.shape[3] != d:
-        raise ValueError(f"k_cache must have head dim {d} (as q), got {k_cache.shape[3]}")
+        raise ArgumentError(f"k_cache must have head dim {d} (as q), got {k_cache.shape[3]}")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have shape {tuple(k_cache.shape)} (as k_cache), got {tuple(v_cache.shape)}")
+        raise ArgumentError(f"v_cache must have shape {tuple(k_cache.shape)} (as k_cache), got {tuple(v_cache.shape)}")
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (the new keys and values to append)")
+        raise ArgumentError("k and v must be given together (the new keys and values to append)")
     if k is None:
         return 0
     _checks.check_tensor("k", k, 4)
@@ -398,10 +403,10 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> int:
     _checks.check_same("v", v, "q", q)
     s_new, hk = k.shape[1], k_cache.shape[2]
     if tuple(k.shape) != (b, s_new, hk, d):
-        raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = {(b, s_new, hk, d)}, "
-                         f"got {tuple(k.shape)}")
+        raise ArgumentError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = {(b, s_new, hk, d)}, "
+                            f"got {tuple(k.shape)}")
     if v.shape != k.shape:
-        raise ValueError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
+        raise ArgumentError(f"v must have shape {tuple(k.shape)} (as k), got {tuple(v.shape)}")
     return s_new
 
 
@@ -416,21 +421,21 @@ def _check_no_aliased_rows(k_cache, v_cache) -> None:
     stride of 0 in a dimension of size > 1, as expand() makes): one write would land in all."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if any(stride == 0 and n > 1 for stride, n in zip(t.stride(), t.shape)):
-            raise ValueError(f"{name} has stride 0 in a dimension of size > 1 (strides {tuple(t.stride())}, shape "
-                             f"{tuple(t.shape)}): appending k and v would write one memory row for several cache "
-                             f"rows; pass a cache with memory of its own (e.g. .contiguous())")
+            raise ArgumentError(f"{name} has stride 0 in a dimension of size > 1 (strides {tuple(t.stride())}, shape "
+                                f"{tuple(t.shape)}): appending k and v would write one memory row for several cache "
+                                f"rows; pass a cache with memory of its own (e.g. .contiguous())")
 
 
 def _lengths_to_device(lengths, batch: int, device) -> torch.Tensor:
     """A list of ints -> the (batch,) int32 tensor on device that the kernels read, copied without
     waiting for the device; its values are recorded as its host copy, for the checks."""
     if len(lengths) != batch:
-        raise ValueError(f"cache_seqlens must hold {batch} lengths (batch), got {len(lengths)}")
+        raise ArgumentError(f"cache_seqlens must hold {batch} lengths (batch), got {len(lengths)}")
     host = torch.tensor(list(lengths)) if batch else torch.zeros(0, dtype=torch.int64)
     if host.dtype != torch.int64:
         raise TypeError(f"cache_seqlens must be a list of ints, got {host.dtype} values")
     if batch and not -2**31 <= int(host.min()) <= int(host.max()) < 2**31:
-        raise ValueError(f"cache_seqlens must fit in int32, got values in [{int(host.min())}, {int(host.max())}]")
+        raise ArgumentError(f"cache_seqlens must fit in int32, got values in [{int(host.min())}, {int(host.max())}]")
     out = torch.empty(batch, dtype=torch.int32, device=device)
     _checks.upload(host.to(torch.int32), out)
     return out
@@ -496,7 +501,7 @@ class DecodePlan:
         seqlen_q = _checks.check_int("seqlen_q", seqlen_q, 1)
         seqlen_new = _checks.check_int("seqlen_new", seqlen_new)
         if not isinstance(cache_shape, (tuple, list)) or len(cache_shape) != 4:
-            raise ValueError(f"cache_shape must be k_cache's shape (4 ints), got {cache_shape!r}")
+            raise ArgumentError(f"cache_shape must be k_cache's shape (4 ints), got {cache_shape!r}")
         cache_shape = torch.Size(_checks.check_int(f"cache_shape[{i}]", n) for i, n in enumerate(cache_shape))
         _check_dtype(dtype)
         device = torch.device(device)
@@ -525,30 +530,30 @@ class DecodePlan:
         flash_attn_with_kvcache."""
         cache_rows, rows_per_block, hk, d = cache_shape
         if not 1 <= d <= _checks.MAX_HEADDIM:
-            raise ValueError(f"head dim must be in 1..{_checks.MAX_HEADDIM}, got {d}")
+            raise ArgumentError(f"head dim must be in 1..{_checks.MAX_HEADDIM}, got {d}")
         if hk < 1 or h % hk != 0:
-            raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of "
-                             f"key/value heads ({hk})")
+            raise ArgumentError(f"the number of query heads ({h}) must be a multiple of the number of "
+                                f"key/value heads ({hk})")
         if block_table is not None:
             _checks.check_index_tensor("block_table", block_table, device, (b, None))
             if block_table.shape[1] < 1:
-                raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with max_blocks_per_seq "
-                                 f">= 1, got {tuple(block_table.shape)}")
+                raise ArgumentError(f"block_table must have shape (batch, max_blocks_per_seq) with max_blocks_per_seq "
+                                    f">= 1, got {tuple(block_table.shape)}")
             if rows_per_block % 16 != 0:
-                raise ValueError(f"the page size (k_cache.shape[1] with a block_table) must be a multiple of 16, "
-                                 f"got {rows_per_block}")
+                raise ArgumentError(f"the page size (k_cache.shape[1] with a block_table) must be a multiple of 16, "
+                                    f"got {rows_per_block}")
             if cache_batch_idx is not None:
-                raise ValueError("cache_batch_idx cannot be combined with block_table: index the pages instead")
+                raise ArgumentError("cache_batch_idx cannot be combined with block_table: index the pages instead")
             page_size, capacity = rows_per_block, block_table.shape[1] * rows_per_block
         else:
             page_size, capacity = 0, rows_per_block
             if cache_batch_idx is None and cache_rows < b:
-                raise ValueError(f"k_cache must hold at least {b} sequences (the batch of q), got {cache_rows}; "
-                                 f"or pass cache_batch_idx")
+                raise ArgumentError(f"k_cache must hold at least {b} sequences (the batch of q), got {cache_rows}; "
+                                    f"or pass cache_batch_idx")
 
         if cache_seqlens is None:
             if s_new:
-                raise ValueError("cache_seqlens is required to append k and v: it says where they go")
+                raise ArgumentError("cache_seqlens is required to append k and v: it says where they go")
             cache_seqlens = capacity
         if isinstance(cache_seqlens, torch.Tensor):
             _checks.check_index_tensor("cache_seqlens", cache_seqlens, device, (b,))
@@ -560,21 +565,21 @@ class DecodePlan:
                 _checks.check_index_tensor(name, t, device, (b,))
 
         if (rotary_cos is None) != (rotary_sin is None):
-            raise ValueError("rotary_cos and rotary_sin must be given together")
+            raise ArgumentError("rotary_cos and rotary_sin must be given together")
         if rotary_cos is not None:
             if not s_new:
-                raise ValueError("rotary_cos/rotary_sin rotate the new k (and q): pass k and v as well")
+                raise ArgumentError("rotary_cos/rotary_sin rotate the new k (and q): pass k and v as well")
             _checks.check_tensor("rotary_cos", rotary_cos, 2, (dtype, torch.float32))
             _checks.check_tensor("rotary_sin", rotary_sin, 2, (dtype, torch.float32))
             if rotary_sin.shape != rotary_cos.shape:
-                raise ValueError(f"rotary_sin must have shape {tuple(rotary_cos.shape)} (as rotary_cos), "
-                                 f"got {tuple(rotary_sin.shape)}")
+                raise ArgumentError(f"rotary_sin must have shape {tuple(rotary_cos.shape)} (as rotary_cos), "
+                                    f"got {tuple(rotary_sin.shape)}")
             if not 1 <= 2 * rotary_cos.shape[1] <= d:
-                raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
-                                 f"<= headdim = {d}, got {tuple(rotary_cos.shape)}")
+                raise ArgumentError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                                    f"<= headdim = {d}, got {tuple(rotary_cos.shape)}")
             for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
                 if t.device != device:
-                    raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+                    raise ArgumentError(f"{name} must be on the device of q ({device}), got {t.device}")
 
         scale = _checks.default_scale(softmax_scale, d)
         causal = _checks.check_flag("causal", causal, ints=True)
@@ -694,8 +699,8 @@ class DecodePlan:
                                 ("k_cache's shape", tuple(k_cache.shape), tuple(self.cache_shape)),
                                 ("seqlen_new (k.shape[1])", s_new, self.seqlen_new)):
             if got != want:
-                raise ValueError(f"{name} is {got}, but the plan was made for {want}")
-        raise ValueError("the tensors do not match the plan")  # run's test and this one disagree: a bug
+                raise ArgumentError(f"{name} is {got}, but the plan was made for {want}")
+        raise ArgumentError("the tensors do not match the plan")  # run's test and this one disagree: a bug
 
     def _run(self, q, k_cache, v_cache, k, v, want_lse=True, sink=None):
         """(out, lse) of checked tensors; lse may be None when not want_lse."""
@@ -912,15 +917,15 @@ def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
     if not isinstance(out_partial, torch.Tensor):
         raise TypeError(f"out_partial must be a torch.Tensor, got {type(out_partial).__name__}")
     if out_partial.dim() < 2 or out_partial.shape[0] < 1:
-        raise ValueError(f"out_partial must have shape (S, *, headdim) with S >= 1, got {tuple(out_partial.shape)}")
+        raise ArgumentError(f"out_partial must have shape (S, *, headdim) with S >= 1, got {tuple(out_partial.shape)}")
     _checks.check_tensor("out_partial", out_partial, out_partial.dim(), _KERNEL_DTYPES)
     _checks.check_tensor("lse_partial", lse_partial, out_partial.dim() - 1, (torch.float32,))
     if lse_partial.shape != out_partial.shape[:-1]:
-        raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])} (out_partial "
-                         f"without headdim), got {tuple(lse_partial.shape)}")
+        raise ArgumentError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])} (out_partial "
+                            f"without headdim), got {tuple(lse_partial.shape)}")
     if lse_partial.device != out_partial.device:
-        raise ValueError(f"lse_partial must be on the device of out_partial ({out_partial.device}), "
-                         f"got {lse_partial.device}")
+        raise ArgumentError(f"lse_partial must be on the device of out_partial ({out_partial.device}), "
+                            f"got {lse_partial.device}")
     _checks.check_sink_rows(learnable_sink, tuple(lse_partial.shape[1:]), out_partial.device)
     # the merge kernel has no backward: a merge that autograd must differentiate runs the torch
     # merge (float32, the kernel's arithmetic), so no output comes back detached from the graph

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import _checks, api
+from flashtile._checks import ArgumentError
 
 
 def _check_sizes(**sizes) -> None:
@@ -50,8 +51,8 @@ class _Cache:
         """Make room for seqlen_new more tokens in every sequence, or raise."""
         longest = max(self.lengths, default=0)
         if longest + seqlen_new > self.capacity:
-            raise ValueError(f"cache overflow: a sequence holds {longest} tokens and appends "
-                             f"{seqlen_new}, but the cache holds {self.capacity} per sequence")
+            raise ArgumentError(f"cache overflow: a sequence holds {longest} tokens and appends "
+                                f"{seqlen_new}, but the cache holds {self.capacity} per sequence")
 
     def plan(self, q: torch.Tensor, seqlen_new: int, **kwargs) -> api.DecodePlan:
         """The DecodePlan of this step for q (its shape and dtype) and seqlen_new new tokens per
@@ -77,10 +78,10 @@ class _Cache:
         (made by the first layer's call).
         """
         if k is None or v is None:
-            raise ValueError("attend appends k and v (the step's new tokens): for attention over the cache "
-                             "alone call flash_attn_with_kvcache(q, **cache.views(layer), ...)")
+            raise ArgumentError("attend appends k and v (the step's new tokens): for attention over the cache "
+                                "alone call flash_attn_with_kvcache(q, **cache.views(layer), ...)")
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self._k):
-            raise ValueError(f"layer must be an int in [0, {len(self._k)}) (num_layers), got {layer!r}")
+            raise ArgumentError(f"layer must be an int in [0, {len(self._k)}) (num_layers), got {layer!r}")
         return_lse = kwargs.pop("return_softmax_lse", False)
         sink = kwargs.pop("learnable_sink", None)  # per layer: a run argument, not a plan's
         plan = self.plan(q, k.shape[1], **kwargs)
@@ -98,11 +99,11 @@ class _Cache:
             lengths = [x + n for x in self.lengths]
         else:
             if len(n) != len(self.lengths):
-                raise ValueError(f"advance needs one count per sequence ({len(self.lengths)}), got {len(n)}")
+                raise ArgumentError(f"advance needs one count per sequence ({len(self.lengths)}), got {len(n)}")
             lengths = [x + _count(m) for x, m in zip(self.lengths, n)]
         if lengths and (max(lengths) > self.capacity or min(lengths) < 0):
-            raise ValueError(f"advance past the capacity ({self.capacity} tokens per sequence) or below 0: "
-                             f"advance({n}) from lengths {self.lengths}")
+            raise ArgumentError(f"advance past the capacity ({self.capacity} tokens per sequence) or below 0: "
+                                f"advance({n}) from lengths {self.lengths}")
         self.lengths = lengths
         if isinstance(n, int):
             self.seqlens += n  # on the device: no host -> device copy
@@ -122,7 +123,7 @@ class _Cache:
 
     def _check_seq(self, seq) -> None:
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < len(self.lengths):
-            raise ValueError(f"seq must be an int in [0, {len(self.lengths)}) (batch), got {seq!r}")
+            raise ArgumentError(f"seq must be an int in [0, {len(self.lengths)}) (batch), got {seq!r}")
 
 
 def _count(n) -> int:
@@ -181,7 +182,7 @@ class PagedKVCache(_Cache):
             _check_sizes(max_seq_len=(max_seq_len, 0))
         api._check_dtype(dtype)
         if page_size % 16 != 0:
-            raise ValueError(f"page_size must be a multiple of 16, got {page_size}")
+            raise ArgumentError(f"page_size must be a multiple of 16, got {page_size}")
         max_blocks = -(-(max_seq_len or num_pages * page_size) // page_size)
         self.page_size = page_size
         with torch.inference_mode(False):  # as seqlens: a version counter for the checks

@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 
 from flashtile import _checks
+from flashtile._checks import ArgumentError
 
 
 def _check_mask(name: str, mask, shape) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape (batch, seqlen) = {tuple(shape)}, got {tuple(mask.shape)}")
+        raise ArgumentError(f"{name} must have shape (batch, seqlen) = {tuple(shape)}, got {tuple(mask.shape)}")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(f"{name} must be bool or integer (1 = a real token), got {mask.dtype}")
     return mask.bool()
@@ -46,7 +47,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"hidden_states must be a tensor (batch, seqlen, ...), got {type(hidden_states).__name__}")
     if hidden_states.dim() < 2:
-        raise ValueError(f"hidden_states must be a tensor (batch, seqlen, ...), got {tuple(hidden_states.shape)}")
+        raise ArgumentError(f"hidden_states must be a tensor (batch, seqlen, ...), got {tuple(hidden_states.shape)}")
     indices, cu_seqlens, max_seqlen, seqused = packing(attention_mask, unused_mask, hidden_states.shape[:2])
     return hidden_states.flatten(0, 1).index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
 
@@ -77,13 +78,13 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         raise TypeError(f"indices must be an int32 or int64 tensor, got "
                         f"{indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__}")
     if indices.dim() != 1 or indices.shape[0] != hidden_states.shape[0]:
-        raise ValueError(f"indices must have shape ({hidden_states.shape[0]},) (one per packed row), got "
-                         f"{tuple(indices.shape)}")
+        raise ArgumentError(f"indices must have shape ({hidden_states.shape[0]},) (one per packed row), got "
+                            f"{tuple(indices.shape)}")
     batch, seqlen = _checks.check_int("batch", batch), _checks.check_int("seqlen", seqlen)
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
     if indices.device.type == "cpu" and indices.numel():  # on the GPU index_copy asserts on the device
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= batch * seqlen:
-            raise ValueError(f"indices must name rows of the batch * seqlen = {batch * seqlen} padded positions, "
-                             f"got values in [{lo}, {hi}]")
+            raise ArgumentError(f"indices must name rows of the batch * seqlen = {batch * seqlen} padded positions, "
+                                f"got values in [{lo}, {hi}]")
     return out.index_copy(0, indices.long(), hidden_states).unflatten(0, (batch, seqlen))

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from flashtile import _checks
+from flashtile._checks import ArgumentError
 from flashtile.api import _device_guard, backend_for
 from flashtile.distributed import comm, plan, ring, shard
 
@@ -84,14 +85,14 @@ def ring_flash_attn_func(q, k, v, group=None, dropout_p=0.0, softmax_scale=None,
     group = comm.check_group(group, "ring_flash_attn_func")
     b, sq, sk, h, hk, d = _checks.check_qkv(q, k, v)
     if sk != sq:
-        raise ValueError(f"k must hold as many tokens as q on each rank ({sq}, q.shape[1]), got {sk}: q, k and v "
-                         f"are shards of one sequence")
+        raise ArgumentError(f"k must hold as many tokens as q on each rank ({sq}, q.shape[1]), got {sk}: q, k and v "
+                            f"are shards of one sequence")
     dropout_p, scale, window, softcap, layout = _options(q, d, dropout_p, softmax_scale, causal, window_size,
                                                          softcap, layout)
     sink = _checks.check_sink(learnable_sink, h, q.device)
     if layout == "zigzag" and sq % 2:
-        raise ValueError(f"q.shape[1] (tokens per rank) must be even with layout='zigzag' (two chunks per rank), "
-                         f"got {sq}")
+        raise ArgumentError(f"q.shape[1] (tokens per rank) must be even with layout='zigzag' (two chunks per rank), "
+                            f"got {sq}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     comm.check_ranks_agree(group, _signature(q, k, dropout_p, scale, window, softcap, layout, sink), q.device,
                            "ring_flash_attn_func")
@@ -129,12 +130,12 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, dro
         _checks.check_tensor(name, t, 3)
     _, sq, sk, h, hk, d = _checks.check_qkv(q[None], k[None], v[None])
     if sk != sq:
-        raise ValueError(f"k must hold as many tokens as q on each rank ({sq}, q.shape[0]), got {sk}")
+        raise ArgumentError(f"k must hold as many tokens as q on each rank ({sq}, q.shape[0]), got {sk}")
     dropout_p, scale, window, softcap, layout = _options(q, d, dropout_p, softmax_scale, causal, window_size,
                                                          softcap, layout)
     if window[0] >= 0 or window[1] > 0:
-        raise ValueError(f"window_size must be (-1, -1) with a packed batch (causal or full attention only), "
-                         f"got {tuple(window_size) if not isinstance(window_size, torch.Tensor) else window_size}")
+        raise ArgumentError(f"window_size must be (-1, -1) with a packed batch (causal or full attention only), "
+                            f"got {tuple(window_size) if not isinstance(window_size, torch.Tensor) else window_size}")
     sink = _checks.check_sink(learnable_sink, h, q.device)
     _checks.check_index_tensor("cu_seqlens", cu_seqlens, q.device, (None,))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -143,11 +144,11 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, dro
         raise RuntimeError("ring_flash_attn_varlen_func reads cu_seqlens on the host: it cannot run under "
                            "CUDA-graph capture or torch.compile")
     if not values:
-        raise ValueError("cu_seqlens must hold batch + 1 offsets, got an empty tensor")
+        raise ArgumentError("cu_seqlens must hold batch + 1 offsets, got an empty tensor")
     lengths = _checks._check_offsets("cu_seqlens", values, world * sq)
     max_seqlen = _checks.check_int("max_seqlen", max_seqlen)
     if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence ({max(lengths)} tokens)")
+        raise ArgumentError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence ({max(lengths)} tokens)")
     shard._check_split(lengths, world, layout, "cu_seqlens")
     signature = _signature(q, k, dropout_p, scale, window, softcap, layout, sink)
     signature.update({"batch (q.shape[0])": len(lengths), "tokens per rank (q.shape[1])": sq,

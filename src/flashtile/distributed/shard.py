@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import _checks
+from flashtile._checks import ArgumentError
 from flashtile.distributed import comm, plan
 
 
@@ -34,8 +35,8 @@ def _check_split(lengths: list[int], world: int, layout: str, what: str) -> int:
     for i, length in enumerate(lengths):
         if length % n:
             seq = f"sequence {i} of {what}" if len(lengths) > 1 else what
-            raise ValueError(f"{seq} has {length} tokens, not a multiple of {n}: layout={layout!r} over "
-                             f"{world} ranks cuts every sequence into {n} equal chunks")
+            raise ArgumentError(f"{seq} has {length} tokens, not a multiple of {n}: layout={layout!r} over "
+                                f"{world} ranks cuts every sequence into {n} equal chunks")
     return n
 
 
@@ -45,7 +46,7 @@ def shard_index(seqlen: int, rank: int, world: int, layout: str = "zigzag", cu_s
     world = _checks.check_int("world", world, 1)
     rank = _checks.check_int("rank", rank)
     if rank >= world:
-        raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
+        raise ArgumentError(f"rank must be in 0..{world - 1}, got {rank}")
     lengths = [seqlen] if cu_seqlens is None else _lengths(cu_seqlens, seqlen)
     _check_split(lengths, world, layout, "the sequence" if cu_seqlens is None else "cu_seqlens")
     starts = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
@@ -55,7 +56,7 @@ def shard_index(seqlen: int, rank: int, world: int, layout: str = "zigzag", cu_s
 
 def _check_dim(dim: int, shape, what: str) -> None:
     if not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
-        raise ValueError(f"dim must name a dimension of {what} (shape {tuple(shape)}), got {dim!r}")
+        raise ArgumentError(f"dim must name a dimension of {what} (shape {tuple(shape)}), got {dim!r}")
 
 
 def shard_sequence(x: torch.Tensor, rank: int, world: int, *, dim: int = 1, layout: str = "zigzag",
@@ -80,8 +81,8 @@ def unshard_sequence(shards, *, dim: int = 1, layout: str = "zigzag", cu_seqlens
     shape = list(shards[0].shape)
     for r, s in enumerate(shards):
         if list(s.shape) != shape:
-            raise ValueError(f"every shard must have shape {tuple(shape)} (as rank 0's), rank {r}'s has "
-                             f"{tuple(s.shape)}")
+            raise ArgumentError(f"every shard must have shape {tuple(shape)} (as rank 0's), rank {r}'s has "
+                                f"{tuple(s.shape)}")
     _check_dim(dim, shape, "the shards")
     seqlen = shape[dim] * world
     shape[dim] = seqlen

@@ -42,7 +42,7 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
     vectorised loads, (64, 64, 4, 3) won at 1k: 327 vs 301 non-causal.
     d=256: (128, 64, 8, 2) 458 / causal 359 at 4k; (64, 64, 4, 2) 250 (before them).
     """
-    if capability(device) is None:
+    if not on_gpu(device):
         return INTERPRETER_CONFIG
     bd = padded_headdim(d)
     if dtype == torch.float32:
@@ -113,8 +113,8 @@ def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
     (prefill_padded_dims.json), the Hopper kernels measured forward 1.09-1.50x and backward
     1.19-2.19x at d = 48-224, 1k-16k, causal or not, where they run. d=48 runs the d=64 Triton tiles whole, so
     hopper_forward_config keeps d=64's cuts for it."""
-    return (dtype in (torch.float16, torch.bfloat16) and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1]
-            and capability(device) == (9, 0))
+    return (on_gpu(device) and dtype in (torch.float16, torch.bfloat16)
+            and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
 
 
 def hopper_forward_tiles(d: int) -> BlockConfig:
@@ -326,7 +326,7 @@ def hopper_backward_chunked(d: int, causal: bool, ordered: bool = False) -> bool
 
 def delta_config(d: int, device: torch.device) -> BlockConfig:
     """The rowsum(dO * O) preprocess is a pure stream: big row blocks, no pipelining needed."""
-    if capability(device) is None:
+    if not on_gpu(device):
         return INTERPRETER_CONFIG
     return BlockConfig(128, 0, 4, 1)
 
@@ -351,8 +351,7 @@ def supports_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` can be programmatic dependent launches (sm_90 and later): the
     backward's dK/dV launch after its dQ launch, and a decoding call's combine kernel after its
     split kernel, whose programs are then resident when the split kernel ends (no launch gap)."""
-    cap = capability(device)
-    return cap is not None and cap[0] >= 9
+    return on_gpu(device) and capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,7 +393,7 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
     d=256 (before the vectorised loads): dK/dV (32, 32, 4, 2) 167 / causal 142 TFLOP/s,
     (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
     """
-    if capability(device) is None:
+    if not on_gpu(device):
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, True)
     pdl = supports_pdl(device)
     bd = padded_headdim(d)
@@ -437,13 +436,16 @@ NOMINAL_SMS = 132  # an H100's SM count, used off-GPU so CPU tests make the same
 NOMINAL_L2_BYTES = 50 * 2**20  # an H100's L2 cache
 
 
-def capability(device: torch.device) -> tuple | None:
-    """A CUDA device's compute capability, (9, 0) on the H100; None off the GPU (the Triton
-    interpreter), the one place the configs tell the two apart. torch's query costs ~10 us of host
+def on_gpu(device: torch.device) -> bool:
+    """Whether the kernels for device are compiled (a CUDA device) or interpreted (the CPU under
+    TRITON_INTERPRET=1, with INTERPRETER_CONFIG's small tiles): the configs' one test of it."""
+    return device.type == "cuda"
+
+
+def capability(device: torch.device) -> tuple:
+    """A CUDA device's compute capability, (9, 0) on the H100. torch's query costs ~10 us of host
     time on the H100 machine, on every launch's path: a device with an index (every CUDA tensor's)
     is asked once (_capability.cache_clear() forgets the answers)."""
-    if device.type != "cuda":
-        return None
     if device.index is None:  # "cuda": whichever device is current now
         return torch.cuda.get_device_capability(device)
     return _capability(device)
@@ -515,7 +517,7 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     dims and query-row counts (more than 16 packed rows) were not measured and keep their tiles.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
-    if capability(device) is None:
+    if not on_gpu(device):
         return BlockConfig(block_m, DECODE_INTERPRETER_BLOCK_N, 4, 1)
     bd = padded_headdim(d)
     if dtype == torch.float32:
@@ -584,7 +586,7 @@ def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.devic
     Past one round (ab_decode_warp_rounds.txt, this kernel against _split_kernel, alternating, us):
     128 x 512 (256 programs of 8 tiles) 26.7 against 27.7, Llama-3-8B's 64 x 8192 with 32 / 8 heads
     (512 of 128) 697.2 against 704.1, but 256 x 256 (512 of 4 tiles) 27.7 against 27.5."""
-    if (capability(device) != (9, 0) or dtype not in (torch.float16, torch.bfloat16)
+    if (not on_gpu(device) or capability(device) != (9, 0) or dtype not in (torch.float16, torch.bfloat16)
             or d not in (64, 128) or rows > 16):
         return None
     block_m = 8 if rows <= 8 else 16
