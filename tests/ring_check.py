@@ -33,7 +33,7 @@ class Case:
     lengths: tuple = ()  # varlen: global length of each packed sequence
     rank1_options: dict = field(default_factory=dict)  # rank 1 passes these instead (disagreeing ranks)
     rank1_drop: int = 0  # rank 1 drops this many tokens of its shards (disagreeing shapes)
-    fresh_group: bool = False  # run on a new group: the ranks' agreement is checked on a group's first call
+    fresh_group: bool = False  # run on a new group (its first call)
     broken: bool = False  # the ring skips its last forward step (the checks must catch it)
 
 

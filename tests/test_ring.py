@@ -58,13 +58,18 @@ INTERPRET_2 = {
     "varlen-causal-fp16": Case(34, None, dtype=torch.float16, causal=True, lengths=(8, 0, 20, 4), heads=(2, 1)),
     "sink-causal-fp16": Case(35, 32, dtype=torch.float16, causal=True, sink=True, **_SMALL),
 }
-# cases whose every rank must raise; the ranks' agreement is checked on a group's first call
+# cases whose every rank must raise; the ranks' agreement is checked on every call: a group's
+# first, and the default group's after the cases above have used it (gloo aborted the process there)
 ERRORS_2 = {
     "ranks-disagree-softcap": (Case(41, 16, rank1_options=dict(softcap=1.0), fresh_group=True),
                                r"the ranks disagree on softcap: \[0.0, 1.0\] by rank"),
     "ranks-disagree-tokens": (Case(42, 16, causal=True, rank1_drop=2, fresh_group=True),
                               r"the ranks disagree on tokens per rank \(q.shape\[1\]\): \[8, 6\] by rank"),
     "varlen-window": (Case(43, None, window=(3, 0), lengths=(8, 8)), "window_size must be"),
+    "ranks-disagree-tokens-later": (Case(44, 16, causal=True, rank1_drop=2),
+                                    r"the ranks disagree on tokens per rank \(q.shape\[1\]\): \[8, 6\] by rank"),
+    "ranks-disagree-varlen-later": (Case(45, None, causal=True, lengths=(8, 8), rank1_options=dict(softcap=0.5)),
+                                    r"the ranks disagree on softcap: \[0.0, 0.5\] by rank"),
 }
 BROKEN_2 = {"causal-last-step-skipped": Case(2, 16, causal=True, broken=True)}
 
@@ -112,7 +117,7 @@ def test_two_ranks_triton(results_interpret, name):
 def test_errors_on_every_rank(results_2, name):
     match = ERRORS_2[name][1]
     for rank, result in enumerate(results_2[name]):
-        assert result.get("error") == "ValueError", f"rank {rank}: {result}"
+        assert result.get("error") == "ArgumentError", f"rank {rank}: {result}"
         assert re.search(match, result["message"]), result["message"]
 
 

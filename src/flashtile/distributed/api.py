@@ -77,9 +77,10 @@ def ring_flash_attn_func(q, k, v, group=None, dropout_p=0.0, softmax_scale=None,
         out: (batch, s_local, nheads, headdim), q's dtype: this rank's rows of the global output.
         (out, softmax_lse, None) with return_attn_probs.
 
-    Checks: shapes, dtypes and options on each rank; on the first call over a group, that every
-    rank has the same shapes and options (one small all_gather; a later mismatch is not looked
-    for). zigzag needs s_local even. Every step's kernels run through the same dispatch as
+    Checks: shapes, dtypes and options on each rank, and on every call that every rank has the
+    same ones (one all_gather of ~14 numbers on the host, through gloo: no CUDA synchronisation;
+    ranks that disagree all raise, where mismatched transfers would abort or hang the group).
+    zigzag needs s_local even. Every step's kernels run through the same dispatch as
     flash_attn_func (backend_for). No torch.compile support: P2P calls break the graph.
     """
     group = comm.check_group(group, "ring_flash_attn_func")
@@ -94,7 +95,7 @@ def ring_flash_attn_func(q, k, v, group=None, dropout_p=0.0, softmax_scale=None,
         raise ArgumentError(f"q.shape[1] (tokens per rank) must be even with layout='zigzag' (two chunks per rank), "
                             f"got {sq}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    comm.check_ranks_agree(group, _signature(q, k, dropout_p, scale, window, softcap, layout, sink), q.device,
+    comm.check_ranks_agree(group, _signature(q, k, dropout_p, scale, window, softcap, layout, sink),
                            "ring_flash_attn_func")
     steps = ring.dense_steps(rank, world, layout, sq, window)
     out, lse = _run(q, k, v, sink, steps, group, rank, world, dropout_p, scale, softcap, layout)
@@ -153,7 +154,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, dro
     signature = _signature(q, k, dropout_p, scale, window, softcap, layout, sink)
     signature.update({"batch (q.shape[0])": len(lengths), "tokens per rank (q.shape[1])": sq,
                       "cu_seqlens (a hash of its values)": hash(tuple(values))})
-    comm.check_ranks_agree(group, signature, q.device, "ring_flash_attn_varlen_func")
+    comm.check_ranks_agree(group, signature, "ring_flash_attn_varlen_func")
     steps = ring.varlen_steps(rank, world, layout, lengths, window[1] == 0, q.device)
     out, lse = _run(q[None], k[None], v[None], sink, steps, group, rank, world, dropout_p, scale, softcap, layout)
     return (out[0], lse[0], None) if return_attn_probs else out[0]

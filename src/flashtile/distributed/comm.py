@@ -23,6 +23,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from flashtile._checks import ArgumentError
+
 _TAGS = {"kv": 0, "dkv": 1}  # gloo matches messages by (peer, tag): K/V and dK/dV are in flight together
 _side_streams: dict = {}  # CUDA device -> the stream P2P transfers are issued on
 
@@ -110,7 +112,21 @@ class SimulatedRing:
 # Every rank must call with the same shapes and options
 # --------------------------------------------------------------------------------------------
 
-_checked_groups: "weakref.WeakSet" = weakref.WeakSet()
+_host_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> a gloo group over its ranks
+
+
+def _host_group(group):
+    """A group over group's ranks that gathers CPU tensors (gloo): the group itself where it is
+    gloo, else one made once, with only its ranks taking part (use_local_synchronization), at the
+    first call, which every rank of the group makes at once."""
+    host = _host_groups.get(group)
+    if host is None:
+        if dist.get_backend(group) == "gloo":
+            host = group
+        else:
+            host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        _host_groups[group] = host
+    return host
 
 
 def _code(x) -> int:
@@ -132,26 +148,22 @@ def _decode(code: int, like):
     return code.to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
 
 
-def check_ranks_agree(group, signature: dict, device, caller: str) -> None:
+def check_ranks_agree(group, signature: dict, caller: str) -> None:
     """Raise on every rank if the ranks of `group` disagree on any entry of signature
-    ({description: int, float or str}), naming the entry and each rank's value. device: where
-    the group's backend takes tensors (q's).
+    ({description: int, float or str}), naming the entry and each rank's value.
 
-    Done on the first call on each group only: it costs an all_gather and a host read, and a
-    call's shapes must anyway match on every rank for the ring to work (a mismatch found on a
-    later call would need every rank to take part, on every call). Sharding set up wrong shows on
-    the first call.
-    """
-    if group in _checked_groups:
-        return
+    On every call: a call whose shards differ in shape between ranks would otherwise post P2P
+    transfers of different sizes, which gloo answers by aborting the process (SIGABRT) and NCCL
+    by hanging. The entries travel as one small int64 tensor through an all_gather on the host
+    (_host_group: gloo, so no CUDA stream is synchronised), ~14 numbers a call."""
     names = list(signature)
-    mine = torch.tensor([_code(signature[n]) for n in names], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone).cpu()  # (world, entries)
+    mine = torch.tensor([_code(signature[n]) for n in names], dtype=torch.int64)
+    host = _host_group(group)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(host))]
+    dist.all_gather(everyone, mine, group=host)
+    table = torch.stack(everyone)  # (world, entries)
     for i, name in enumerate(names):
         if bool((table[:, i] != table[0, i]).any()):
             values = [_decode(c, signature[name]) for c in table[:, i].tolist()]
-            raise ValueError(f"{caller}: the ranks disagree on {name}: {values} by rank (every rank must "
-                             f"hold an equal shard and pass the same options)")
-    _checked_groups.add(group)
+            raise ArgumentError(f"{caller}: the ranks disagree on {name}: {values} by rank (every rank must "
+                                f"hold an equal shard and pass the same options)")
