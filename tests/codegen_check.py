@@ -10,6 +10,7 @@
         whether it lets a dependent launch start, atomics)
     python tests/codegen_check.py combine D --pdl   (the decoding combine kernel as a programmatic
         dependent launch: whether it waits for the launch before it ahead of every global load)
+    python tests/codegen_check.py --serve   (command lines as JSON lists on stdin, reports on stdout)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
 computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
@@ -340,20 +341,18 @@ def global_memory_ops(compiled) -> dict:
     return dict(collections.Counter(re.findall(r"\b((?:LDG|STG|LDGSTS)\.[A-Z0-9_.]+)", sass)))
 
 
-if __name__ == "__main__":
-    argv = sys.argv[1:]
+def report(argv: list) -> dict:
+    """The JSON report of one command line (the module docstring's forms, without the program)."""
     if argv[0] == "decode":
         compiled = compile_decode(int(argv[1]), int(argv[2]), "--append" in argv, "--launch-combine" in argv,
                                   "--fused" in argv, "--split" in argv, "--one-round" in argv, "--warps" in argv,
                                   "--rotary" in argv, 32 if "--rows32" in argv else 16 if "--rows16" in argv else 8)
-        print(json.dumps(dict(registers(compiled), shared_bytes=compiled.metadata.shared,
-                              launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
-                              acq_rel_atomics=compiled.asm["ptx"].count(".acq_rel.add"))))
-        sys.exit(0)
+        return dict(registers(compiled), shared_bytes=compiled.metadata.shared,
+                    launches_dependents="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
+                    acq_rel_atomics=compiled.asm["ptx"].count(".acq_rel.add"))
     if argv[0] == "combine":
         compiled = compile_combine(int(argv[1]), "--pdl" in argv)
-        print(json.dumps(dict(waits_before_loads=waits_before_loads(compiled))))
-        sys.exit(0)
+        return dict(waits_before_loads=waits_before_loads(compiled))
     if argv[0] in ("forward-sm90", "backward-sm90"):
         options = ("--causal" in argv, "--dropout" in argv, "--varlen" in argv)
         if argv[0] == "forward-sm90":
@@ -363,18 +362,17 @@ if __name__ == "__main__":
         else:
             compiled = compile_hopper_backward(int(argv[1]), *options, softcap="--softcap" in argv,
                                                alibi="--alibi" in argv, deterministic="--deterministic" in argv)
-        report = ptxas_report(compiled)
+        result = ptxas_report(compiled)
         # bulk copies from shared memory to global memory (the forward's output rows through the copy engine)
-        report["bulk_stores"] = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", compiled.asm["ptx"]))
+        result["bulk_stores"] = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", compiled.asm["ptx"]))
         # hardware named barriers of the two consumers (ops._common.named_barrier_sm90): waits, passes
-        report["named_barriers"] = [len(re.findall(r"bar\.sync\s+\S+,\s*256;", compiled.asm["ptx"])),
-                           len(re.findall(r"bar\.arrive\s+\S+,\s*256;", compiled.asm["ptx"]))]
+        result["named_barriers"] = [len(re.findall(r"bar\.sync\s+\S+,\s*256;", compiled.asm["ptx"])),
+                                    len(re.findall(r"bar\.arrive\s+\S+,\s*256;", compiled.asm["ptx"]))]
         if "--deterministic" in argv:  # the dQ writer's acquire poll, release count and full bulk wait
             ptx = compiled.asm["ptx"]
-            report["ordered"] = [ptx.count("ld.acquire.gpu"), ptx.count("red.release.gpu"),
+            result["ordered"] = [ptx.count("ld.acquire.gpu"), ptx.count("red.release.gpu"),
                                  len(re.findall(r"cp\.async\.bulk\.wait_group 0;", ptx))]
-        print(json.dumps(report))
-        sys.exit(0)
+        return result
     flags = {}
     if "--flags" in argv:
         i = argv.index("--flags")
@@ -383,7 +381,28 @@ if __name__ == "__main__":
     args = [a for a in argv if a != "--regs"]
     compiled = compile_sm90(args[0], int(args[1]), [int(x) for x in args[2].split(",")] if len(args) > 2 else None,
                             flags)
-    report = global_memory_ops(compiled)
-    if "--regs" in sys.argv:
-        report.update(registers(compiled))
-    print(json.dumps(report))
+    result = global_memory_ops(compiled)
+    if "--regs" in argv:
+        result.update(registers(compiled))
+    return result
+
+
+def serve() -> None:
+    """One command line (a JSON list) per line of stdin, its report (or {"error": ...}) per line of
+    stdout: the tests compile many kernels through one process, which imports torch and triton
+    once."""
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            out = report(json.loads(line))
+        except Exception:  # the test that asked shows it
+            out = {"error": traceback.format_exc()}
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        print(json.dumps(report(sys.argv[1:])))

@@ -1,7 +1,8 @@
 """The wheel: built from the repository's files, installed into a fresh virtual environment, imported.
 
-The environment reuses this one's packages (--system-site-packages: torch and triton are not
-downloaded again) and gets the wheel with --no-deps, so what is checked is the wheel itself: its
+The environment reuses the running interpreter's packages (a .pth file lists its site-packages:
+torch and triton are not downloaded again) and gets the wheel with --no-deps, so what is checked is
+the wheel itself: its
 files against the source tree (data files included), its declared dependencies, and that the
 installed package imports, computes attention and runs its command. pip builds the wheel as
 `pip install` would (setuptools in an isolated build environment). Also: CI runs the README's test
@@ -11,8 +12,10 @@ command, and the README's demo set-up brings the demo's optional dependencies.
 import email
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -88,11 +91,28 @@ def test_wheel_dependencies(wheel):
     assert ("transformers", "hf") in optional
 
 
+def _package_dirs() -> list[str]:
+    """Where the running interpreter's packages are: its site-packages (a venv's own, a conda
+    prefix's, the system's) and the user site when that is on the path. `venv
+    --system-site-packages` would give the base interpreter's instead, which inside a venv does
+    not hold torch."""
+    paths = site.getsitepackages() + [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    if site.ENABLE_USER_SITE and site.getusersitepackages() in sys.path:
+        paths.append(site.getusersitepackages())
+    return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
+
+
 def test_wheel_installs_and_imports(wheel, tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bin_dir = venv / ("Scripts" if os.name == "nt" else "bin")
     python = bin_dir / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    # the running interpreter's packages as plain path entries after the venv's own: a .pth file's
+    # lines are not read for .pth files of their own, so this environment's editable install of
+    # flashtile (a .pth finder) does not come along
+    (Path(purelib) / "_running_python.pth").write_text("\n".join(_package_dirs()) + "\n")
     # neither the repository on PYTHONPATH nor an install of it in the system site-packages may
     # stand in for the wheel: pip would take either as flashtile already installed
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}

@@ -29,7 +29,9 @@ dense kernel's TFLOP/s for its length), `dropout` (p = 0.1 against p = 0, flasht
 FA4 when it imports and FlexAttention with a tanh score_mod, and flashtile without a cap), `alibi`
 (ALiBi's bias -slope |i - j|, slopes 2^(-8 (i + 1) / h): flashtile, its Triton kernels, SDPA with
 the bias as a float attn_mask, as transformers' SDPA path gives ALiBi models, FlexAttention with
-the bias as a score_mod, and flashtile without ALiBi). A run of some sections keeps the other
+the bias as a score_mod, and flashtile without ALiBi), `small` (small training calls in an eager loop
+against the same calls from a CUDA graph, flashtile's host time with its launches stubbed, SDPA-flash
+and FA4 beside: bench/small.py). A run of some sections keeps the other
 sections' rows of an existing prefill.json (with the environment they were measured in, under
 "envs").
 """
@@ -498,6 +500,10 @@ def run(args, path: str | None = None) -> dict:
     for section in ("softcap", "alibi"):
         if section in args.sections:
             run_score_mod(section, args, dtype, result, path)
+    if "small" in args.sections:
+        from flashtile.bench.small import run_small
+
+        run_small(args, dtype, result, path)
     if "dense" in args.sections:
         run_dense(args, dtype, result, path)
     result["complete"] = True
@@ -620,7 +626,7 @@ def main(argv=None) -> None:
                    help="FlexAttention compiles per shape; limit it to these head dims")
     p.add_argument("--flex-seqlens", type=_ints, default=[2048, 8192], help="... and these seqlens")
     p.add_argument("--sections", type=lambda s: s.split(","),
-                   default=["dense", "varlen", "dropout", "sink", "softcap", "alibi"])
+                   default=["small", "dense", "varlen", "dropout", "sink", "softcap", "alibi"])
     p.add_argument("--varlen-lengths", type=_ints, default=[128, 4096], help="lo,hi of the varlen section's lengths")
     p.add_argument("--dropout-p", type=float, default=0.1)
     p.add_argument("--dropout-seqlens", type=_ints, default=[4096])

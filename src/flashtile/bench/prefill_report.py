@@ -206,6 +206,9 @@ def _section_summary(data: dict) -> list[str]:
                          f"| {r['fwd_bwd_vs_no_sink']:.3f}x |")
     for section in ("softcap", "alibi"):
         lines += _score_mod_summary(data, section)
+    from flashtile.bench import small
+
+    lines += small.summary(data)
     drop = [r for r in data["rows"] if r.get("section") == "dropout" and "fwd_bwd_vs_no_dropout" in r]
     if drop:
         lines += ["", "| dropout p | impl | d | causal | seqlen | fwd + bwd vs p = 0 |", "|---|---|---|---|---|---|"]
