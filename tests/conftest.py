@@ -27,3 +27,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Every test plans its launches anew (ops._launch.clear_plans): tests replace launchers'
+    internals and count launches."""
+    from flashtile.ops import _launch
+
+    _launch.clear_plans()

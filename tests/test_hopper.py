@@ -248,7 +248,7 @@ def test_deterministic_reaches_the_hopper_backward(monkeypatch, how, d):
     class Launched(Exception):
         pass
 
-    def record(*args, deterministic):
+    def record(*args, deterministic, **kwargs):
         raise Launched(deterministic)
 
     monkeypatch.setattr(configs, "hopper_backward_config", lambda d, *a, **kw: configs.hopper_backward_tiles(d))
@@ -283,43 +283,43 @@ def test_forward_persistent():
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("extras", ["plain", "every option"])
-def test_hopper_launches_bind_the_kernels_arguments(monkeypatch, extras, d):
-    """_launch_sm90 (forward and backward) hands ops._launch.launch the kernel's pointer and
-    descriptor arguments first, then its scalars, one for each parameter in signature order, and
-    every constexpr by name; each Box makes the checked descriptor Triton's path gets. The
-    forward's consumer warpgroups and register cap follow its tile (at d=64 two with dropout)."""
+def test_hopper_plans_bind_the_kernels_arguments(sm90, monkeypatch, extras, d):
+    """The Hopper launches' plans (forward and backward) take the kernel's pointer and descriptor
+    arguments first, from the call's tensors by slot, then its scalars, one for each parameter in
+    signature order, and every constexpr by name; each Box makes the checked descriptor Triton's
+    path gets. The forward's consumer warpgroups and register cap follow its tile."""
     from flashtile.ops import _launch, backward
     from flashtile.reference.dropout import draw_rng
 
-    calls = []
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "launch", lambda kernel, grid, tensors, scalars, *a, **kw: calls.append(
-            (kernel, tensors, scalars, kw)))
+    monkeypatch.setattr(configs, "on_gpu", lambda device: True)
+    monkeypatch.setattr(configs, "hopper_forward_config", lambda d, *a, **kw: configs.hopper_forward_tiles(d))
     monkeypatch.setattr(forward, "tile_counter", lambda device: torch.zeros(1, dtype=torch.int32))
     q, k, v = qkv(b=2, s=256, h=4, d=d)
     out, lse, dout = torch.empty_like(q), torch.empty(2, 4, 256), torch.randn_like(q)
     dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty(2, 4, 256)
-    options = {} if extras == "plain" else dict(dropout=(0.1, draw_rng(torch.device("cpu"))), softcap=30.0,
-                                                alibi_slopes=torch.rand(4))
-    forward._launch_sm90(q, k, v, out, lse, configs.hopper_forward_tiles(d), 0.1, None, 0,
-                         sink=None if extras == "plain" else torch.zeros(4), **options)
-    backward._launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta,
-                          configs.hopper_backward_tiles(d, "dropout" in options, "softcap" in options), 0.1,
-                          None, 0, False, **options)
-    hopper = [c for c in calls if c[0] in (forward._fwd_kernel_sm90, backward._bwd_kernel_sm90)]
-    assert [c[0] for c in hopper] == [forward._fwd_kernel_sm90, backward._bwd_kernel_sm90]
-    for kernel, tensors, scalars, kw in hopper:
+    plain = extras == "plain"
+    dropout = None if plain else (0.1, draw_rng(torch.device("cpu")))
+    slopes, sink, softcap = (None, None, 0.0) if plain else (torch.rand(4), torch.zeros(4), 30.0)
+    env = forward.call_tensors(q, k, v, out, lse, slopes, None, dropout, sink)
+    fwd = forward._plan(env, 0.1, (None, 0), softcap, None, dropout)
+    bwd_env = backward.call_tensors(dout, q, k, v, out, lse, dq, dk, dv, delta, slopes, None, dropout)
+    bwd = backward._plan(bwd_env, 0.1, (None, 0), softcap, None, dropout, False, False)
+    launches = [(fwd, env), (bwd.launches[1], bwd_env)]
+    assert [p.launch.kernel for p, _ in launches] == [forward._fwd_kernel_sm90, backward._bwd_kernel_sm90]
+    for plan, call in launches:
+        kernel, prepared = plan.launch.kernel, plan.launch
+        tensors = tuple(None if s is None else call[s] if type(s) is int else s[0](call[s[1]], *s[2:])
+                        for s in plan.slots)
         runtime = [p.name for p in kernel.params if not p.is_constexpr]
         constexprs = {p.name for p in kernel.params if p.is_constexpr}
         assert [p.is_constexpr for p in kernel.params] == [False] * len(runtime) + [True] * len(constexprs)
-        assert len(tensors) + len(scalars) == len(runtime)
-        assert set(kw) - {"maxnreg"} == constexprs
+        assert len(tensors) + len(prepared.scalars) == len(runtime)
+        assert set(prepared.constexprs) == constexprs
         assert all(t is None or isinstance(t, (torch.Tensor, _launch.Box)) for t in tensors)
-        assert all(type(x) in (int, float) for x in scalars)
-        slopes = runtime.index("Slopes")
-        assert (tensors[slopes] is None) == (extras == "plain")
+        assert all(type(x) in (int, float) for x in prepared.scalars)
+        assert (tensors[runtime.index("Slopes")] is None) == plain
         descriptors = [t for t in _launch._for_triton(tensors) if t is not None and not isinstance(t, torch.Tensor)]
         assert len(descriptors) == sum(n.endswith("_desc") for n in runtime)
-    consumers = hopper[0][3]["CONSUMERS"]
+    consumers = fwd.launch.constexprs["CONSUMERS"]
     assert consumers == (3 if d == 64 else 2)
-    assert hopper[0][3]["maxnreg"] == forward.hopper_forward_maxnreg(consumers)
+    assert fwd.launch.options["maxnreg"] == forward.hopper_forward_maxnreg(consumers)

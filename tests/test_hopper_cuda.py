@@ -29,10 +29,22 @@ def hopper_launches(monkeypatch):
     its launches."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels need sm_90")
-    calls = []
-    launch = forward._launch_sm90
     monkeypatch.setattr(configs, "hopper_forward_config", lambda d, *a, **kw: configs.hopper_forward_tiles(d))
-    monkeypatch.setattr(forward, "_launch_sm90", lambda *a: calls.append(1) or launch(*a))
+    return kernel_launches(monkeypatch, forward._fwd_kernel_sm90)
+
+
+def kernel_launches(monkeypatch, kernel) -> list:
+    """A list that grows by one at each launch of kernel (the launchers' plans launch through
+    ops._launch.Prepared)."""
+    calls = []
+    real = _launch.Prepared.__call__
+
+    def counting(self, *args, **kwargs):
+        if self.kernel is kernel:
+            calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_launch.Prepared, "__call__", counting)
     return calls
 
 
@@ -176,12 +188,9 @@ def hopper_backward_launches(monkeypatch):
     """Forces the Hopper backward wherever it can run, and counts its launches."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels need sm_90")
-    calls = []
-    launch = backward._launch_sm90
     monkeypatch.setattr(configs, "hopper_backward_config",
                         lambda d, *a, dropout=False, softcap=False, **kw: configs.hopper_backward_tiles(d, dropout, softcap))
-    monkeypatch.setattr(backward, "_launch_sm90", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    return calls
+    return kernel_launches(monkeypatch, backward._bwd_kernel_sm90)
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())

@@ -29,6 +29,7 @@ hands the Box itself to the launcher, which reads the same fields to encode the 
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -111,7 +112,8 @@ def _stride_positions(kernel, n_tensors: int) -> tuple:
     cached = kernel.__dict__.get("_flashtile_strides")
     if cached is None or cached[0] != n_tensors:
         names = kernel.arg_names[n_tensors:]
-        cached = kernel._flashtile_strides = (n_tensors, tuple(i for i, n in enumerate(names) if n.startswith("stride_")))
+        positions = tuple(i for i, n in enumerate(names) if n.startswith("stride_"))
+        cached = kernel._flashtile_strides = (n_tensors, positions)
     return cached[1]
 
 
@@ -157,7 +159,8 @@ def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_sta
     options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
                    **({"launch_pdl": True} if launch_pdl else {}), **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not tensors[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-        return for_strides(kernel, len(tensors), scalars)[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
+        kernel = for_strides(kernel, len(tensors), scalars)
+        return kernel[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
     device = tensors[0].get_device()
     rest = (num_warps, num_stages, launch_pdl, maxnreg, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
     _cached_launch(kernel, (device, scalars, *rest), grid, tensors, scalars, constexprs, options, device,
@@ -295,11 +298,13 @@ class Prepared:
     """
 
     def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int | None,
-                 launch_pdl: bool = False, **constexprs):
+                 launch_pdl: bool = False, maxnreg: int | None = None, **constexprs):
         self.kernel, self.grid, self.tensors, self.scalars, self.constexprs = kernel, grid, tensors, scalars, constexprs
         self.options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-                            **({"launch_pdl": True} if launch_pdl else {}))
-        self._rest = (num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
+                            **({"launch_pdl": True} if launch_pdl else {}), **({} if maxnreg is None else
+                                                                              {"maxnreg": maxnreg}))
+        self._rest = (num_warps, num_stages, launch_pdl, maxnreg, tuple(constexprs.items()),
+                      tuple(map(_tensor_key, tensors)))
         self._id = _fixed_id((scalars, *self._rest))
         self._class_id = None  # the fixed part by specialisation, at the first call that needs it
         self._grid3 = _grid3(grid)
@@ -340,3 +345,90 @@ class Prepared:
         if self._class_id is None:
             self._class_id = _fixed_id(("class", _scalar_classes(self.scalars), *self._rest))
         return self._class_id
+
+
+MAX_PLANS = 1024  # per launcher
+_plan_caches: list = []  # every launcher's plans (new_plans), for clear_plans
+
+
+def new_plans() -> dict:
+    """A launcher's cache of plans, {its plan key: its plan}."""
+    plans: dict = {}
+    _plan_caches.append(plans)
+    return plans
+
+
+def clear_plans() -> None:
+    """Forget every launcher's plans: the next calls plan again (tests that replace a launcher's
+    internals do this first; replacing a config function needs nothing: configs.generation)."""
+    for plans in _plan_caches:
+        plans.clear()
+
+
+def distinct(env: list) -> list:
+    """env with a tensor that occurs twice (flash_attn_func(x, x, x), one cu_seqlens for queries
+    and keys) made a view of its own where it occurs again: a plan built on it tells the slots
+    apart, so that it is right for a call whose tensors there differ."""
+    seen, out = set(), []
+    for t in env:
+        if t is not None:
+            if id(t) in seen:
+                t = t.view_as(t)
+            seen.add(id(t))
+        out.append(t)
+    return out
+
+
+def remember(plans: dict, key, plan):
+    """plans[key] = plan, the dict emptied first when it holds MAX_PLANS (a program cycling through
+    more call shapes than that plans them again)."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+class Plan(NamedTuple):
+    """One kernel launch planned for a description of a call (its shapes, strides, dtypes,
+    alignments and options: what every launch argument but the tensors' addresses follows from),
+    and replayed for each call that matches it: the kernel's scalars, constexprs and grid are fixed
+    in a Prepared launch, and each tensor argument comes from the call's tensors (`env`, a list in
+    the launcher's order) by slot: an index into env, or (Box or TensorDescriptor, index, its other
+    arguments) for a TMA descriptor over that tensor. key: the tensor arguments' part of the launch
+    cache key, which the plan's description fixes (dtypes, 16-byte alignment, box shapes)."""
+
+    launch: Optional[Prepared]
+    slots: tuple
+    key: tuple
+
+    @classmethod
+    def nothing(cls) -> "Plan":
+        """A call with nothing to launch (no rows)."""
+        return cls(None, (), ())
+
+    @classmethod
+    def of(cls, env: list, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int | None,
+           maxnreg: int | None, constexprs: dict, launch_pdl: bool = False) -> "Plan":
+        """The plan of launch(kernel, grid, tensors, scalars, ...) whose tensors (or descriptors'
+        bases) are all elements of env, found by identity: env as distinct() made it, so that no
+        two of its slots hold one object."""
+        where = {id(t): i for i, t in enumerate(env) if t is not None}
+
+        def slot(t):
+            if t is None:
+                return None
+            if type(t) is Box:
+                return Box, where[id(t.base)], t.shape, t.strides, t.block_shape, t.layout
+            if type(t) is TensorDescriptor:
+                return TensorDescriptor, where[id(t.base)], t.shape, t.strides, t.block_shape
+            return where[id(t)]
+
+        return cls(Prepared(kernel, grid, (), scalars, num_warps, num_stages, launch_pdl, maxnreg, **constexprs),
+                   tuple(map(slot, tensors)), tuple(map(_tensor_key, tensors)))
+
+    def run(self, env: list, stream=None) -> None:
+        """Launch with the tensors of env (a call that matches the plan's description)."""
+        if self.launch is not None:
+            tensors = tuple(None if s is None else env[s] if type(s) is int else s[0](env[s[1]], *s[2:])
+                            for s in self.slots)
+            self.launch(tensors, (), stream, self.key)

@@ -26,6 +26,8 @@ dP = (dO V^T) o Z / (1 - p)). A paged K/V never reaches the backward (the API ga
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +42,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
-from flashtile.ops._launch import Box, cdiv, launch
+from flashtile.ops._launch import Box, Plan, cdiv, new_plans, remember
 from flashtile.ops._common import (FIRST_FREE_BARRIER, LOG2E, alibi_fits_sm90, alibi_sm90, alibi_strides,
                                    alibi_unit_sm90, block_range, cap_derivative_sm90, capped_sm90, dot_precision,
                                    dq_order, dq_turn, dropout_keep, dropout_keep_bits_sm90, dropout_keep_sm90,
@@ -49,7 +51,8 @@ from flashtile.ops._common import (FIRST_FREE_BARRIER, LOG2E, alibi_fits_sm90, a
                                    lse_row_base, named_barrier_sm90, relu_to_sm90, scores_log2, seq_bounds,
                                    softcap_scales, visible)
 from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_MAXNREG, box_descriptor,
-                                   dropout_args, grid_lengths, seq_strides, tma_ok, varlen_args)
+                                   dropout_args, grid_lengths, plan_key, seq_strides, tensor_meta, tma_ok,
+                                   varlen_args)
 
 
 @triton.jit(do_not_specialize=["sq", "rows_out", "total_q"])
@@ -452,8 +455,38 @@ def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:
     if not all(tma_ok(t) for t in pair):
         return None, None
     block = [1, block_rows, 1, block_d]
-    pair = tuple(t.unsqueeze(0) for t in pair) if varlen else pair
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in pair)
+
+    def view(t):  # a packed tensor read as t.unsqueeze(0), over t itself (a plan names the call's tensor)
+        return ([1, *t.shape], [t.shape[0] * t.stride(0), *t.stride()]) if varlen else (list(t.shape), list(t.stride()))
+
+    return tuple(TensorDescriptor(t, *view(t), block) for t in pair)
+
+
+# The call's tensors, in the order of call_tensors, from which a plan's launches take their
+# arguments; the last four are buffers between the launches, made per call as the plan says
+(DOUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA, SLOPES, CU_Q, CU_K, SEQUSED, RNG, LSE2, DELTA2, DQ_ACC,
+ TURNS) = range(19)
+_plans = new_plans()  # (forward.plan_key, the backward's own) -> BackwardPlan
+
+
+class BackwardPlan(NamedTuple):
+    """The backward's launches for one description of its call (attention_backward), and what it
+    does around them per call."""
+
+    launches: tuple  # Plans, launched in order
+    zero_grads: bool  # dK and dV zeroed first (keys past seqused_k, or no query rows)
+    delta: bool  # delta gets a buffer shaped like the LSE (none given)
+    stats: int  # Hopper: rows of the fp32 log2-LSE and delta buffers the delta launch fills (0: none)
+    dq_acc: bool  # Hopper: dQ sums in a zeroed fp32 buffer shaped like q (else in dq itself)
+    turns: int  # Hopper, deterministic: int32 counters, zeroed (0: none)
+    dq_scale: float  # Hopper: dq = dQ sum * dq_scale, or with accumulate_dq dq += it (0: nothing to do)
+
+
+def call_tensors(dout, q, k, v, out, lse, dq, dk, dv, delta, alibi_slopes, varlen, dropout) -> list:
+    """A backward call's tensors in the plans' order (the buffers' slots empty)."""
+    vl = (None,) * 3 if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_k)
+    return [dout, q, k, v, out, lse, dq, dk, dv, delta, alibi_slopes, *vl, None if dropout is None else dropout[1],
+            None, None, None, None]
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tuple,
@@ -469,56 +502,98 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     deterministic: bitwise reproducible gradients. The Triton programs always are (dQ without
     atomics); the Hopper kernel (configs.hopper_backward_config, the calls it supports) then adds
     dQ's parts in a fixed order, else in the order the programs come (as flash-attn's), which
-    varies from run to run. Deterministic calls keep the Triton programs where those measured
-    faster or the Hopper kernel has no fixed order (configs.hopper_backward_ordered).
+    varies from run to run. Deterministic calls keep the Triton programs where the Hopper kernel
+    has no fixed order (configs.hopper_backward_ordered).
     accumulate_dq: dq is a float32 tensor shaped like q, and the call adds dQ / softmax_scale into
     it: the sum the Hopper kernel keeps anyway, left unscaled (ring attention sums the dQ of a
     shard's pieces so, without a buffer per piece, and scales the sum once; with dropout the
     Hopper kernel's dQ is in units of backward_ds_unit, and goes through a buffer of its own).
+    As the forward, the launches are planned once per description of the call and replayed.
     """
     if accumulate_dq and (dq is None or dq.dtype != torch.float32 or dq.shape != q.shape):
         raise ValueError(f"accumulate_dq needs dq: a float32 tensor shaped like q {tuple(q.shape)}, got "
                          f"{None if dq is None else (dq.dtype, tuple(dq.shape))}")
     if varlen is not None and varlen.block_table is not None:
         raise ValueError("the backward reads contiguous k/v: gather the pages first (the API does)")
-    h, d = q.shape[-2:]
-    hk = k.shape[-2]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
-    if varlen is not None and varlen.seqused_k is not None:  # no program writes keys past seqused_k
+    key = (plan_key(q, k, v, out, softmax_scale, window, softcap, alibi_slopes, varlen, dropout, None),
+           tensor_meta(dout), tensor_meta(lse), tensor_meta(dq), tensor_meta(dk), tensor_meta(dv), tensor_meta(delta),
+           deterministic, accumulate_dq)
+    plan = _plans.get(key)
+    env = call_tensors(dout, q, k, v, out, lse, dq, dk, dv, delta, alibi_slopes, varlen, dropout)
+    if plan is None:
+        plan = remember(_plans, key, _plan(env, softmax_scale, window, softcap, varlen, dropout, deterministic,
+                                           accumulate_dq))
+    if plan.zero_grads:
         dk.zero_()
         dv.zero_()
-    b, sq, sk = grid_lengths(q, k, varlen)
-    packed = varlen is not None
-    vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
-    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
-    block_d = configs.padded_headdim(d)
-    causal = window[1] is not None  # any right bound picks the causal tiles: one kernel for every seqlen_q - seqlen_k
-    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
-    left, right = window
-    if b * h * sq == 0:  # no query rows: no key gets a gradient
-        dk.zero_()
-        dv.zero_()
-        return dq, dk, dv
+    if plan.delta:
+        env[DELTA] = torch.empty_like(lse)
+    if plan.stats:
+        env[LSE2], env[DELTA2] = torch.empty((2, plan.stats), dtype=torch.float32, device=q.device).unbind(0)
+    if plan.dq_acc:
+        env[DQ_ACC] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if plan.turns:
+        env[TURNS] = torch.zeros(plan.turns, dtype=torch.int32, device=q.device)
+    for launch in plan.launches:
+        launch.run(env)
+    if plan.dq_scale:
+        if not accumulate_dq:
+            torch.mul(env[DQ_ACC], plan.dq_scale, out=dq)
+        else:
+            dq.add_(env[DQ_ACC], alpha=plan.dq_scale)
+    return dq, dk, dv
 
+
+def _plan(env: list, softmax_scale: float, window: tuple, softcap: float, varlen, dropout, deterministic: bool,
+          accumulate_dq: bool) -> BackwardPlan:
+    """The backward's launches for the call whose tensors are env (call_tensors, as distinct() made
+    it: every tensor is taken from there): the Hopper kernel where configs.hopper_backward_config
+    gives it tiles and it can address the tensors, else the Triton programs. Buffers the launches
+    share are made in env here as each call makes them (the plan records their sizes)."""
+    dout, q, k, v, out, lse, dq, dk, dv, delta, alibi_slopes, cu_q, cu_k, seqused_k, rng = env[:RNG + 1]
+    if varlen is not None:
+        varlen = varlen._replace(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k)
+    if dropout is not None:
+        dropout = (dropout[0], rng)
+    h, d = q.shape[-2:]
+    b, sq, sk = grid_lengths(q, k, varlen)
+    zero_grads = varlen is not None and varlen.seqused_k is not None  # no program writes keys past seqused_k
+    if b * h * sq == 0:  # no query rows: no key gets a gradient
+        return BackwardPlan((), True, False, 0, False, 0, 0.0)
+    _, _, _, has_dropout = dropout_args(dropout)
+    qk_scale, _ = kernel_scale(softmax_scale, softcap)
     hopper = configs.hopper_backward_config(d, q.dtype, q.device, dropout=has_dropout, softcap=softcap > 0)
     if hopper is not None and _hopper_supports(q, k, v, dout, dk, dv, softmax_scale, varlen) \
             and (not accumulate_dq or tma_ok(dq)) and alibi_fits_sm90(alibi_slopes, q, k, varlen) \
             and (not deterministic or configs.hopper_backward_ordered(d)):
-        _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, hopper, softmax_scale, left, right, accumulate_dq,
-                     dropout, varlen, softcap, alibi_slopes, deterministic=deterministic)
-        return dq, dk, dv
+        return _launch_sm90(env, hopper, softmax_scale, window, accumulate_dq, dropout=dropout, varlen=varlen,
+                            softcap=softcap, deterministic=deterministic, zero_grads=zero_grads)
+    causal = window[1] is not None  # any right bound picks the causal tiles: one kernel for every seqlen_q - seqlen_k
     cfg = configs.backward_config(d, q.dtype, q.device, causal, dropout is not None)
-    delta = torch.empty_like(lse) if delta is None else delta
+    hk = k.shape[-2]
+    packed = varlen is not None
+    vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
+    rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
+    block_d = configs.padded_headdim(d)
+    left, right = window
+    _, softcap = kernel_scale(softmax_scale, softcap)
+    new_delta = delta is None
+    if new_delta:
+        delta = env[DELTA] = torch.empty_like(lse)
+    launches = []
     if cfg.fused:  # both kinds of programs read delta at once: computed first
         pre = configs.delta_config(d, q.device)
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
         rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
-        launch(_delta_kernel, (cdiv(rows, pre.block_m), h, n), (out, dout, delta, None, None, None, None),
-               (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, 0), pre.num_warps,
-               pre.num_stages, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d, WRITE_LSE2=False,
-               IS_VARLEN=False)
+        launches.append(Plan.of(env, _delta_kernel, (cdiv(rows, pre.block_m), h, n),
+                                (out, dout, delta, None, None, None, None),
+                                (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, 0),
+                                pre.num_warps, pre.num_stages, None,
+                                dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d,
+                                     WRITE_LSE2=False, IS_VARLEN=False)))
 
     # TMA descriptors for what each kind of program streams, where the layout allows: dK/dV
     # programs stream Q and dO, dQ programs K and V
@@ -539,20 +614,21 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
     kv_programs = cdiv(sk, cfg.dkdv.block_n)
     q_programs = cdiv(sq, cfg.dq.block_m) * (h // hk)
 
-    def run(n, chunk, block, pdl=False, **parts):
+    def plan(n, chunk, block, pdl=False, **parts):
         if n == 0:
             return
         chunk = chunk if causal else 1  # equal-length programs need no reordering
         grid = (n, hk, b) if chunk == 1 else (n * b * hk,)
-        launch(_bwd_kernel, grid, tensors, (*scalars, n), block.num_warps, block.num_stages,
-               launch_pdl=pdl and parts["DKDV"], HEAD_CHUNK=chunk, PDL=pdl, **parts, **flags)
+        launches.append(Plan.of(env, _bwd_kernel, grid, tensors, (*scalars, n), block.num_warps, block.num_stages,
+                                None, dict(HEAD_CHUNK=chunk, PDL=pdl, **parts, **flags),
+                                launch_pdl=pdl and parts["DKDV"]))
 
     if cfg.fused:
-        run(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=True, WRITE_DELTA=False)
+        plan(kv_programs + q_programs, cfg.head_chunk, cfg.dkdv, DKDV=True, DQ=True, WRITE_DELTA=False)
     else:  # the dQ programs compute delta on the way, for the dK/dV launch
-        run(q_programs, cfg.dq_head_chunk, cfg.dq, cfg.pdl, DKDV=False, DQ=True, WRITE_DELTA=True)
-        run(kv_programs, cfg.head_chunk, cfg.dkdv, cfg.pdl, DKDV=True, DQ=False, WRITE_DELTA=False)
-    return dq, dk, dv
+        plan(q_programs, cfg.dq_head_chunk, cfg.dq, cfg.pdl, DKDV=False, DQ=True, WRITE_DELTA=True)
+        plan(kv_programs, cfg.head_chunk, cfg.dkdv, cfg.pdl, DKDV=True, DQ=False, WRITE_DELTA=False)
+    return BackwardPlan(tuple(launches), zero_grads, new_delta, 0, False, 0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1268,66 +1344,68 @@ def backward_ds_unit(dropout_scale: float, has_dropout: bool, split_d: bool) -> 
     return 0.5 * dropout_scale if has_dropout and not split_d else 1.0
 
 
-def _launch_sm90(dout, q, k, v, out, lse, dq, dk, dv, delta, cfg, softmax_scale, left, right, accumulate_dq,
-                 dropout=None, varlen=None, softcap=0.0, alibi_slopes=None, deterministic=False):
-    """The Hopper backward: the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq;
-    accumulate_dq: dq (float32) gets dQ / softmax_scale added, by the kernel or (where its dS is
-    scaled, backward_ds_unit) through a buffer of its own; dropout, varlen (a packed batch),
-    softcap and alibi_slopes as attention_backward's; delta (shaped like lse) gets delta when given;
-    deterministic: dQ's additions in a fixed order (not with SPLIT_D), counted in a zeroed int32
-    per Q block and query head.
-    cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
+def _launch_sm90(env: list, cfg, softmax_scale, window, accumulate_dq, dropout=None, varlen=None, softcap=0.0,
+                 deterministic=False, zero_grads=False) -> BackwardPlan:
+    """The Hopper backward's plan for the call whose tensors are env (attention_backward's
+    _plan): the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq; accumulate_dq:
+    dq (float32) gets dQ / softmax_scale added, by the kernel or (where its dS is scaled,
+    backward_ds_unit) through a buffer of its own; dropout, varlen (a packed batch) and softcap as
+    attention_backward's; delta (shaped like lse) gets delta when given; deterministic: dQ's
+    additions in a fixed order (not with SPLIT_D), counted in a zeroed int32 per Q block and query
+    head. cfg: hopper_backward_tiles (Q block rows, keys per program, warps per consumer, stages)."""
+    dout, q, k, v, out, lse, dq, dk, dv, delta, alibi_slopes = env[:SLOPES + 1]
+    left, right = window
     h, d = q.shape[-2:]
     dp = configs.hopper_head_dim(d)  # the boxes' columns: those past d read as zeros and are clipped
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
-    packed = varlen is not None
+    packed = varlen is not None  # one sequence of all the rows for the copy engine; the kernel finds each
     vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
     rows_pad = cdiv(sq, cfg.block_m) * cfg.block_m  # per sequence of a packed batch, its longest
-    stats = torch.empty((2, b * h * rows_pad), dtype=torch.float32, device=q.device)  # log2 LSE, delta
+    env[LSE2], env[DELTA2] = lse2, delta2 = torch.empty((2, b * h * rows_pad), dtype=torch.float32,
+                                                        device=q.device).unbind(0)
     pre = configs.delta_config(d, q.device)
-    launch(_delta_kernel, (cdiv(rows_pad, pre.block_m), h, b), (out, dout, stats[1], lse, stats[0], delta,
-                                                                vl_tensors[0]),
-           (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q), pre.num_warps,
-           pre.num_stages, HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=pre.block_m,
-           EVEN_D=d == configs.padded_headdim(d), WRITE_LSE2=True, IS_VARLEN=packed)
+    delta_launch = Plan.of(env, _delta_kernel, (cdiv(rows_pad, pre.block_m), h, b),
+                           (out, dout, delta2, lse, lse2, delta, vl_tensors[0]),
+                           (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q),
+                           pre.num_warps, pre.num_stages, None,
+                           dict(HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=pre.block_m,
+                                EVEN_D=d == configs.padded_headdim(d), WRITE_LSE2=True, IS_VARLEN=packed))
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     split = configs.hopper_backward_split_d(dp)
     assert not (deterministic and split), "SPLIT_D adds dQ in no fixed order"
     ds_unit = backward_ds_unit(dropout_scale, has_dropout, split)
     # the kernel adds dQ / (softmax_scale ds_unit): a buffer of its own where dq must get dQ / softmax_scale
-    dq_acc = dq if accumulate_dq and ds_unit == 1 else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    own_dq = not (accumulate_dq and ds_unit == 1)
+    env[DQ_ACC] = dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if own_dq else dq
     # a packed batch's dK / dV leave through pointers (the kernel's IS_VARLEN epilogue)
     grad_ptrs, grad_strides = ((dk, dv), (*dk.stride()[:2], *dv.stride()[:2])) if packed else ((None, None), (0,) * 4)
-    if packed:  # one sequence of all the rows for the copy engine; the kernel finds each
-        q, k, v, dout, dk, dv, dq_acc_rows = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv, dq_acc))
-    else:
-        dq_acc_rows = dq_acc
-    rows = [Box(t, (t.numel(),), (1,), (cfg.block_m,), ROW_LAYOUT) for t in stats]
+    rows = [Box(t, (t.numel(),), (1,), (cfg.block_m,), ROW_LAYOUT) for t in (lse2, delta2)]
     boxes = sm90_boxes(cfg, dp, configs.hopper_backward_dq_by_rows(cfg.block_m, right is not None, deterministic))
 
     def box(t, name):
-        return box_descriptor(t, *boxes[name])
+        return box_descriptor(t, *boxes[name], packed)
 
     qk_scale, softcap2 = kernel_scale(softmax_scale, softcap)
     if softcap > 0:
         qk_scale, softcap2 = softcap_scales(qk_scale, softcap2)
-    turns = torch.zeros(b * h * rows_pad // cfg.block_m, dtype=torch.int32, device=q.device) if deterministic else None
+    n_turns = b * h * rows_pad // cfg.block_m if deterministic else 0
+    env[TURNS] = turns = torch.zeros(n_turns, dtype=torch.int32, device=q.device) if deterministic else None
     chunked = configs.hopper_backward_chunked(dp, right is not None, deterministic)
     chunk = configs.hopper_backward_head_chunk(dp, sq, h // hk, right is not None, q.device, deterministic)
     n_kb = cdiv(sk, cfg.block_n)
-    launch(_bwd_kernel_sm90, (n_kb * hk * b, 1, 1) if chunked else (n_kb, hk, b),
-           (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
-            box(dv, "dv_desc"), box(dq_acc_rows, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes, turns),
-           (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, chunk, qk_scale, softmax_scale * ds_unit,
-            threshold,
-            dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
-           cfg.num_warps, None, maxnreg=HOPPER_MAXNREG, HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
-           NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(dp, right is not None, deterministic),
-           SPLIT_D=split, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout,
-           IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_ALIBI=alibi_slopes is not None,
-           HEAD_CHUNKED=chunked, HEAD_DIM=d, DETERMINISTIC=deterministic)
-    if not accumulate_dq:
-        torch.mul(dq_acc, softmax_scale * ds_unit, out=dq)
-    elif dq_acc is not dq:
-        dq.add_(dq_acc, alpha=ds_unit)
+    kernel_launch = Plan.of(
+        env, _bwd_kernel_sm90, (n_kb * hk * b, 1, 1) if chunked else (n_kb, hk, b),
+        (box(q, "q_desc"), box(dout, "do_desc"), box(k, "k_desc"), box(v, "v_desc"), *rows, box(dk, "dk_desc"),
+         box(dv, "dv_desc"), box(dq_acc, "dq_desc"), rng, *vl_tensors[:3], *grad_ptrs, alibi_slopes, turns),
+        (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, chunk, qk_scale, softmax_scale * ds_unit,
+         threshold, dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
+        cfg.num_warps, None, HOPPER_MAXNREG,
+        dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+             DEFER_DQ=configs.hopper_backward_defer_dq(dp, right is not None, deterministic), SPLIT_D=split,
+             HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
+             HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunked, HEAD_DIM=d, DETERMINISTIC=deterministic))
+    # then dq = the sum scaled, or (accumulate_dq) dq += it from a buffer of its own, at ds_unit
+    dq_scale = softmax_scale * ds_unit if not accumulate_dq else ds_unit if own_dq else 0.0
+    return BackwardPlan((delta_launch, kernel_launch), zero_grads, False, b * h * rows_pad, own_dq, n_turns,
+                        dq_scale)

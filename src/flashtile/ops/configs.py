@@ -1,14 +1,32 @@
 """Block sizes, autotune lists and heuristics for every kernel: no literals elsewhere.
 
-Plain functions, so a user can override a choice by replacing the function.
+Plain functions, so a user can override a choice by replacing the function. Every replacement
+(an assignment to this module, a test's monkeypatch) adds one to `generation`: the launchers
+cache what the choices gave for a call's shapes (their launch plans) under it.
 """
 
 import functools
+import sys
+import types
 from typing import NamedTuple
 
 import torch
 
 from flashtile.ops._launch import cdiv, next_pow2
+
+generation = 0
+
+
+class _Configs(types.ModuleType):
+    """This module, counting assignments to it in `generation`."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name != "generation":
+            super().__setattr__("generation", self.generation + 1)
+
+
+sys.modules[__name__].__class__ = _Configs
 
 
 class BlockConfig(NamedTuple):

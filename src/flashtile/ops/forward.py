@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashtile import _checks
 from flashtile.ops import configs
-from flashtile.ops._launch import Box, cdiv, current_stream, launch
+from flashtile.ops._launch import Box, Plan, cdiv, current_stream, distinct, new_plans, remember
 from flashtile.ops._common import (FIRST_FREE_BARRIER, LN2, alibi_fits_sm90, alibi_sm90, alibi_strides,
                                    alibi_unit_sm90, block_range, capped_sm90, dot_precision, dropout_apply_sm90,
                                    dropout_keep, dropout_keep_bits_sm90, dropout_seed, dropout_words_sm90, fold_sink,
@@ -216,6 +216,38 @@ def dropout_args(dropout) -> tuple:
     return dropout[1], threshold, scale, True
 
 
+# The call's tensors, in the order of call_tensors, from which a plan's launch takes its arguments
+COUNTER = 12  # the Hopper kernel's tile counter (tile_counter), filled in where a plan takes it
+_plans = new_plans()  # plan_key -> Plan
+
+
+def tensor_meta(t) -> tuple | None:
+    """What a launch plan depends on of an optional tensor argument."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+
+
+def plan_key(q, k, v, out, softmax_scale, window, softcap, alibi_slopes, varlen, dropout, sink) -> tuple:
+    """Everything a prefill launch is derived from (the forward's and the backward's plans): shapes,
+    strides, dtypes, the device, each tensor's address modulo 16 (TMA boxes and Triton's pointer
+    specialisation), the options, the tf32 switch of fp32 dots and configs.generation (a replaced
+    config function plans anew)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, q.data_ptr() & 15,
+            k.data_ptr() & 15, v.data_ptr() & 15, tensor_meta(out), softmax_scale, window, softcap,
+            tensor_meta(alibi_slopes),
+            None if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k, tensor_meta(varlen.cu_seqlens_q),
+                                         tensor_meta(varlen.cu_seqlens_k), tensor_meta(varlen.seqused_k),
+                                         tensor_meta(varlen.block_table)),
+            None if dropout is None else dropout[0], tensor_meta(sink),
+            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, configs.generation)
+
+
+def call_tensors(q, k, v, out, lse, alibi_slopes, varlen, dropout, sink) -> list:
+    """A forward call's tensors in the plans' order (COUNTER's slot empty)."""
+    vl = (None,) * 4 if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_k,
+                                              varlen.block_table)
+    return [q, k, v, out, lse, alibi_slopes, *vl, None if dropout is None else dropout[1], sink, None]
+
+
 def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: float = 0.0,
                       alibi_slopes=None, out=None, varlen=None, dropout=None, sink=None):
     """Launch the forward. q (b, sq, h, d), k/v (b, sk, hk, d), any strides, fp16/bf16/fp32; or
@@ -227,14 +259,51 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     contiguous, any float dtype, natural log, or None. Returns out shaped like q in q's
     dtype (written into `out` when given) and lse, float32, natural log: (b, h, sq), or (h,
     total_q) with varlen.
+
+    What the launch takes from the call's shapes, strides, dtypes and options (the kernel, its
+    tiles, grid, scalars, TMA boxes) is planned once per description of the call (plan_key) and
+    replayed: a call that matches one allocates its outputs and launches (the host path of small
+    calls, docs/performance.md).
     """
-    h, d = q.shape[-2:]
-    hk = k.shape[-2]
+    key = plan_key(q, k, v, out, softmax_scale, window, softcap, alibi_slopes, varlen, dropout, sink)
+    plan = _plans.get(key)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse_shape = (q.shape[0], h, q.shape[1]) if varlen is None else (h, q.shape[0])
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[-2], q.shape[1]) if varlen is None else (q.shape[-2], q.shape[0]),
+                      dtype=torch.float32, device=q.device)
+    env = call_tensors(q, k, v, out, lse, alibi_slopes, varlen, dropout, sink)
+    if plan is None:
+        plan = remember(_plans, key, _plan(distinct(env), softmax_scale, window, softcap, varlen, dropout))
+    if COUNTER in plan.slots:
+        env[COUNTER] = tile_counter(q.device)
+    plan.run(env)
+    return out, lse
+
+
+def _plan(env: list, softmax_scale: float, window: tuple, softcap: float, varlen, dropout) -> "Plan":
+    """The forward's launch for the call whose tensors are env (call_tensors): the Hopper kernel
+    where configs.hopper_forward_config gives it tiles and it can address the tensors, else the
+    Triton kernel. Every tensor is taken from env, where distinct() told them apart."""
+    q, k, v, out, lse, alibi_slopes, cu_q, cu_k, seqused_k, table, rng, sink, _ = env
+    if varlen is not None:
+        varlen = varlen._replace(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, block_table=table)
+    if dropout is not None:
+        dropout = (dropout[0], rng)
+    h, d = q.shape[-2:]
+    hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
+    if b * sq == 0:
+        return Plan.nothing()
+    # "causal" for the tiles: any right bound (a window's too), so that top-left causal masks of
+    # every seqlen_q - seqlen_k (scaled_dot_product_attention's) run one kernel
+    right_bounded = window[1] is not None
+    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
+    left, right = window
+    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=right_bounded, softcap=softcap > 0)
+    if (hopper is not None and _hopper_supports(q, k, v, out, qk_scale, varlen)
+            and alibi_fits_sm90(alibi_slopes, q, k, varlen)):
+        env[COUNTER] = tile_counter(q.device)
+        return Plan.of(env, *_launch_sm90(env, hopper, qk_scale, left, right, dropout, varlen, softcap))
     if varlen is None:
         strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
     else:
@@ -243,30 +312,19 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
                    *seq_strides(out, True))
     vl_tensors, (stride_tb, total_q, total_k, max_pages, num_pages), vl_flags = varlen_args(q, k, varlen)
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
-    # "causal" for the tiles: any right bound (a window's too), so that top-left causal masks of
-    # every seqlen_q - seqlen_k (scaled_dot_product_attention's) run one kernel
-    right_bounded = window[1] is not None
     cfg = configs.forward_config(d, q.dtype, q.device, causal=right_bounded)
     block_d = configs.padded_headdim(d)
-    qk_scale, softcap = kernel_scale(softmax_scale, softcap)
-    left, right = window
-    if b * sq == 0:
-        return out, lse
-    hopper = configs.hopper_forward_config(d, q.dtype, q.device, causal=right_bounded, softcap=softcap > 0)
-    if (hopper is not None and _hopper_supports(q, k, v, out, qk_scale, varlen)
-            and alibi_fits_sm90(alibi_slopes, q, k, varlen)):
-        _launch_sm90(q, k, v, out, lse, hopper, qk_scale, left, right, dropout, varlen, sink, softcap, alibi_slopes)
-        return out, lse
-    launch(_fwd_kernel, (cdiv(sq, cfg.block_m), h, b), (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
-           (*strides, *alibi_strides(alibi_slopes),
-            stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
-            qk_scale, softcap, threshold, dropout_scale),
-           cfg.num_warps, cfg.num_stages,
-           HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_LEFT=left is not None,
-           HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-           EVEN_D=d == block_d, DOT_PRECISION=dot_precision(q.dtype), HAS_DROPOUT=has_dropout,
-           HAS_SINK=sink is not None, **vl_flags)
-    return out, lse
+    return Plan.of(env, _fwd_kernel, (cdiv(sq, cfg.block_m), h, b),
+                   (q, k, v, out, lse, alibi_slopes, *vl_tensors, rng, sink),
+                   (*strides, *alibi_strides(alibi_slopes),
+                    stride_tb, h, h // hk, sq, sk, total_q, total_k, max_pages, num_pages, left or 0, right or 0,
+                    qk_scale, softcap, threshold, dropout_scale),
+                   cfg.num_warps, cfg.num_stages, None,
+                   dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
+                        HAS_ALIBI=alibi_slopes is not None, EVEN_D=d == block_d,
+                        DOT_PRECISION=dot_precision(q.dtype), HAS_DROPOUT=has_dropout, HAS_SINK=sink is not None,
+                        **vl_flags))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -940,13 +998,16 @@ def tma_box_layout(rows: int, d: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _GL_DTYPES.get(dtype, dtype))
 
 
-def box_descriptor(t, rows: int, cols: int | None = None) -> Box:
+def box_descriptor(t, rows: int, cols: int | None = None, packed: bool = False) -> Box:
     """A TMA descriptor over a BSHD tensor whose box is `rows` positions of one head (and `cols` of
     its head dim, all by default): rows past the sequence's end read as zeros and are not written
-    (never the next batch's rows). A packed batch, viewed as (1, total, heads, d), reads on into
-    the next sequence's rows there: the kernels mask them."""
+    (never the next batch's rows). A packed batch (packed: t is (total, heads, d)), read as (1,
+    total, heads, d), reads on into the next sequence's rows there: the kernels mask them."""
     cols = t.shape[-1] if cols is None else cols
-    return Box(t, t.shape, t.stride(), (1, rows, 1, cols), tma_box_layout(rows, cols, t.dtype))
+    shape, strides = t.shape, t.stride()
+    if packed:  # t.unsqueeze(0)'s, over t itself (a plan's box names the call's tensor)
+        shape, strides = (1, *shape), (shape[0] * strides[0], *strides)
+    return Box(t, shape, strides, (1, rows, 1, cols), tma_box_layout(rows, cols, t.dtype))
 
 
 _TILE_COUNTERS = {}  # (device, CUDA stream) -> the int32 tile counter of _fwd_kernel_sm90's launches there
@@ -968,24 +1029,24 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, varlen=None, sink=None, softcap=0.0,
-                 alibi_slopes=None):
-    """Tiles of cfg.block_m rows, 64 per consumer warpgroup (configs.hopper_forward_consumers;
+def _launch_sm90(env: list, cfg, qk_scale, left, right, dropout=None, varlen=None, softcap=0.0) -> tuple:
+    """The Hopper forward's launch for the call whose tensors are env (call_tensors), as Plan.of
+    takes it: tiles of cfg.block_m rows, 64 per consumer warpgroup (configs.hopper_forward_consumers;
     cfg.num_warps = 4 each); cfg.num_stages K/V buffers; a program per SM walking tiles where
-    configs.hopper_forward_persistent says so, else a program per tile. dropout, varlen (a packed
-    batch without a page table), sink and alibi_slopes as attention_forward's; qk_scale and softcap
-    as kernel_scale gives them."""
+    configs.hopper_forward_persistent says so, else a program per tile. dropout and varlen (a packed
+    batch without a page table) as attention_forward's; qk_scale and softcap as kernel_scale gives
+    them."""
+    q, k, v, out, lse, alibi_slopes, *_, sink, counter = env
     if softcap > 0:
         qk_scale, softcap = softcap_scales(qk_scale, softcap)
     h, d = q.shape[-2:]
     dp = configs.hopper_head_dim(d)  # the boxes' columns: those past d read as zeros and are not stored
     hk = k.shape[-2]
     b, sq, sk = grid_lengths(q, k, varlen)
+    packed = varlen is not None  # one sequence of all the rows for the copy engine; the kernel finds each
     vl_tensors, (_, total_q, total_k, _, _), vl_flags = varlen_args(q, k, varlen)
-    out_strides = seq_strides(out, varlen is not None)
+    out_strides = seq_strides(out, packed)
     o_tma = tma_ok(out) and out.dtype == q.dtype  # the output rows leave through a Q buffer
-    if varlen is not None:  # one sequence of all the rows for the copy engine; the kernel finds each
-        q, k, v, out = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
     n_m = cdiv(sq, cfg.block_m)
     n_tiles = n_m * h * b
     persistent = configs.hopper_forward_persistent(dp)
@@ -995,16 +1056,18 @@ def _launch_sm90(q, k, v, out, lse, cfg, qk_scale, left, right, dropout=None, va
     if consumers not in (2, 3):
         raise ValueError(f"the Hopper forward runs 128- or 192-row tiles, got block_m={cfg.block_m}")
     chunk = configs.hopper_forward_head_chunk(dp, sk, h // hk, right is not None, q.device)
-    q_box = box_descriptor(q, cfg.block_m // consumers, dp)
-    launch(_fwd_kernel_sm90, grid,
-           (out, lse, tile_counter(q.device), q_box, box_descriptor(k, cfg.block_n, dp),
-            box_descriptor(v, cfg.block_n, dp), box_descriptor(out, cfg.block_m // consumers, dp) if o_tma else q_box,
-            rng, *vl_tensors[:3], sink, alibi_slopes),
-           (*out_strides[:3], n_tiles, chunk, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
-            threshold, dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
-           cfg.num_warps, None, maxnreg=hopper_forward_maxnreg(consumers), HAS_LEFT=left is not None,
-           HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(dp),
-           PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, CONSUMERS=consumers,
-           IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
-           HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=configs.hopper_forward_chunked(dp, right is not None),
-           HEAD_DIM=d, O_TMA=o_tma)
+    q_box = box_descriptor(q, cfg.block_m // consumers, dp, packed)
+    return (_fwd_kernel_sm90, grid,
+            (out, lse, counter, q_box, box_descriptor(k, cfg.block_n, dp, packed),
+             box_descriptor(v, cfg.block_n, dp, packed),
+             box_descriptor(out, cfg.block_m // consumers, dp, packed) if o_tma else q_box,
+             rng, *vl_tensors[:3], sink, alibi_slopes),
+            (*out_strides[:3], n_tiles, chunk, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
+             threshold, dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
+            cfg.num_warps, None, hopper_forward_maxnreg(consumers),
+            dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+                 Q_STAGES=configs.hopper_forward_q_stages(dp), PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0,
+                 HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
+                 HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
+                 HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=configs.hopper_forward_chunked(dp, right is not None),
+                 HEAD_DIM=d, O_TMA=o_tma))
