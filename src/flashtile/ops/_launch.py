@@ -29,7 +29,7 @@ hands the Box itself to the launcher, which reads the same fields to encode the 
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -395,11 +395,14 @@ class Plan(NamedTuple):
     in a Prepared launch, and each tensor argument comes from the call's tensors (`env`, a list in
     the launcher's order) by slot: an index into env, or (Box or TensorDescriptor, index, its other
     arguments) for a TMA descriptor over that tensor. key: the tensor arguments' part of the launch
-    cache key, which the plan's description fixes (dtypes, 16-byte alignment, box shapes)."""
+    cache key, which the plan's description fixes (dtypes, 16-byte alignment, box shapes).
+    arguments: env -> the tensor arguments, one expression made from the slots (a call's host
+    path runs it, not a loop over them)."""
 
     launch: Optional[Prepared]
     slots: tuple
     key: tuple
+    arguments: Optional[Callable] = None
 
     @classmethod
     def nothing(cls) -> "Plan":
@@ -423,12 +426,25 @@ class Plan(NamedTuple):
                 return TensorDescriptor, where[id(t.base)], t.shape, t.strides, t.block_shape
             return where[id(t)]
 
+        slots = tuple(map(slot, tensors))
         return cls(Prepared(kernel, grid, (), scalars, num_warps, num_stages, launch_pdl, maxnreg, **constexprs),
-                   tuple(map(slot, tensors)), tuple(map(_tensor_key, tensors)))
+                   slots, tuple(map(_tensor_key, tensors)), _arguments(slots))
 
     def run(self, env: list, stream=None) -> None:
         """Launch with the tensors of env (a call that matches the plan's description)."""
         if self.launch is not None:
-            tensors = tuple(None if s is None else env[s] if type(s) is int else s[0](env[s[1]], *s[2:])
-                            for s in self.slots)
-            self.launch(tensors, (), stream, self.key)
+            self.launch(self.arguments(env), (), stream, self.key)
+
+
+def _arguments(slots: tuple) -> Callable:
+    """env -> the tuple of tensor arguments the slots describe, as one compiled tuple expression."""
+    consts, items = {}, []
+    for i, s in enumerate(slots):
+        if s is None:
+            items.append("None")
+        elif type(s) is int:
+            items.append(f"env[{s}]")
+        else:
+            consts[f"make{i}"], consts[f"args{i}"] = s[0], s[2:]
+            items.append(f"make{i}(env[{s[1]}], *args{i})")
+    return eval(f"lambda env: ({', '.join(items)},)", consts)

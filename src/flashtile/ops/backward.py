@@ -56,16 +56,17 @@ from flashtile.ops.forward import (HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOP
 
 
 @triton.jit(do_not_specialize=["sq", "rows_out", "total_q"])
-def _delta_kernel(Out, dOut, Delta, Lse, Lse2, DeltaOut, CuSeqQ, stride_ob, stride_om, stride_oh, stride_od,
-                  stride_dob, stride_dom, stride_doh, stride_dod, nheads, sq, rows_out, total_q,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                  WRITE_LSE2: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _delta_kernel(Out, dOut, Delta, Lse, Lse2, DeltaOut, CuSeqQ, DqZero, stride_ob, stride_om, stride_oh, stride_od,
+                  stride_dob, stride_dom, stride_doh, stride_dod, stride_zb, stride_zm, stride_zh, stride_zd, nheads,
+                  sq, rows_out, total_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  EVEN_D: tl.constexpr, WRITE_LSE2: tl.constexpr, IS_VARLEN: tl.constexpr):
     """delta = rowsum(dO * O) of rows [start_m, start_m + BLOCK_M) of head bh into Delta, which
     holds rows_out >= sq rows per head (rows past sq get 0). WRITE_LSE2: also the LSE in the log2
     domain into Lse2, laid out alike, +inf past sq and where a row saw no key (P = 0 there): what
     the Hopper backward's loader copies in without masks; and delta in the LSE's layout into
-    DeltaOut when given. IS_VARLEN: b is a sequence of a packed batch (its rows from cu_seqlens, the
-    LSE (h, total_q)), sq the longest."""
+    DeltaOut when given. DqZero (given): the fp32 dQ sum laid out as dOut, whose rows this zeroes
+    for the Hopper backward's additions (one launch fewer than a fill of its own). IS_VARLEN: b is
+    a sequence of a packed batch (its rows from cu_seqlens, the LSE (h, total_q)), sq the longest."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # grid (row blocks, heads, batch)
     b = bh // nheads
@@ -81,6 +82,9 @@ def _delta_kernel(Out, dOut, Delta, Lse, Lse2, DeltaOut, CuSeqQ, stride_ob, stri
                  + offs_d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     tl.store(Delta + bh.to(tl.int64) * rows_out + offs_m, delta, mask=offs_m < rows_out)
+    if DqZero is not None:
+        tl.store(DqZero + b.to(tl.int64) * stride_zb + h.to(tl.int64) * stride_zh + rows * stride_zm
+                 + offs_d[None, :] * stride_zd, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=mask)
     if WRITE_LSE2:
         lse_rows = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN) + offs_m
         lse = tl.load(Lse + lse_rows, mask=offs_m < sq, other=float("-inf"))
@@ -477,7 +481,7 @@ class BackwardPlan(NamedTuple):
     zero_grads: bool  # dK and dV zeroed first (keys past seqused_k, or no query rows)
     delta: bool  # delta gets a buffer shaped like the LSE (none given)
     stats: int  # Hopper: rows of the fp32 log2-LSE and delta buffers the delta launch fills (0: none)
-    dq_acc: bool  # Hopper: dQ sums in a zeroed fp32 buffer shaped like q (else in dq itself)
+    dq_acc: bool  # Hopper: dQ sums in an fp32 buffer shaped like q, zeroed by the delta launch (else in dq)
     turns: int  # Hopper, deterministic: int32 counters, zeroed (0: none)
     dq_scale: float  # Hopper: dq = dQ sum * dq_scale, or with accumulate_dq dq += it (0: nothing to do)
 
@@ -533,8 +537,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, window: tu
         env[DELTA] = torch.empty_like(lse)
     if plan.stats:
         env[LSE2], env[DELTA2] = torch.empty((2, plan.stats), dtype=torch.float32, device=q.device).unbind(0)
-    if plan.dq_acc:
-        env[DQ_ACC] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if plan.dq_acc:  # zeroed by the plan's first launch
+        env[DQ_ACC] = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if plan.turns:
         env[TURNS] = torch.zeros(plan.turns, dtype=torch.int32, device=q.device)
     for launch in plan.launches:
@@ -589,8 +593,9 @@ def _plan(env: list, softmax_scale: float, window: tuple, softcap: float, varlen
         # delta is per row, whatever sequence the row is in: a packed batch is one sequence of total_q rows
         rows, n = (q.shape[0], 1) if varlen is not None else (sq, b)
         launches.append(Plan.of(env, _delta_kernel, (cdiv(rows, pre.block_m), h, n),
-                                (out, dout, delta, None, None, None, None),
-                                (*seq_strides(out, packed), *seq_strides(dout, packed), h, rows, rows, 0),
+                                (out, dout, delta, None, None, None, None, None),
+                                (*seq_strides(out, packed), *seq_strides(dout, packed), 0, 0, 0, 0, h, rows, rows,
+                                 0),
                                 pre.num_warps, pre.num_stages, None,
                                 dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.block_m, EVEN_D=d == block_d,
                                      WRITE_LSE2=False, IS_VARLEN=False)))
@@ -1364,20 +1369,22 @@ def _launch_sm90(env: list, cfg, softmax_scale, window, accumulate_dq, dropout=N
     rows_pad = cdiv(sq, cfg.block_m) * cfg.block_m  # per sequence of a packed batch, its longest
     env[LSE2], env[DELTA2] = lse2, delta2 = torch.empty((2, b * h * rows_pad), dtype=torch.float32,
                                                         device=q.device).unbind(0)
-    pre = configs.delta_config(d, q.device)
-    delta_launch = Plan.of(env, _delta_kernel, (cdiv(rows_pad, pre.block_m), h, b),
-                           (out, dout, delta2, lse, lse2, delta, vl_tensors[0]),
-                           (*seq_strides(out, packed), *seq_strides(dout, packed), h, sq, rows_pad, total_q),
-                           pre.num_warps, pre.num_stages, None,
-                           dict(HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=pre.block_m,
-                                EVEN_D=d == configs.padded_headdim(d), WRITE_LSE2=True, IS_VARLEN=packed))
     rng, threshold, dropout_scale, has_dropout = dropout_args(dropout)
     split = configs.hopper_backward_split_d(dp)
     assert not (deterministic and split), "SPLIT_D adds dQ in no fixed order"
     ds_unit = backward_ds_unit(dropout_scale, has_dropout, split)
-    # the kernel adds dQ / (softmax_scale ds_unit): a buffer of its own where dq must get dQ / softmax_scale
+    # the kernel adds dQ / (softmax_scale ds_unit): a buffer of its own where dq must get dQ / softmax_scale,
+    # zeroed by the delta launch
     own_dq = not (accumulate_dq and ds_unit == 1)
-    env[DQ_ACC] = dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if own_dq else dq
+    env[DQ_ACC] = dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if own_dq else dq
+    pre = configs.delta_config(d, q.device)
+    delta_launch = Plan.of(env, _delta_kernel, (cdiv(rows_pad, pre.block_m), h, b),
+                           (out, dout, delta2, lse, lse2, delta, vl_tensors[0], dq_acc if own_dq else None),
+                           (*seq_strides(out, packed), *seq_strides(dout, packed),
+                            *(seq_strides(dq_acc, packed) if own_dq else (0,) * 4), h, sq, rows_pad, total_q),
+                           pre.num_warps, pre.num_stages, None,
+                           dict(HEAD_DIM=d, BLOCK_D=configs.padded_headdim(d), BLOCK_M=pre.block_m,
+                                EVEN_D=d == configs.padded_headdim(d), WRITE_LSE2=True, IS_VARLEN=packed))
     # a packed batch's dK / dV leave through pointers (the kernel's IS_VARLEN epilogue)
     grad_ptrs, grad_strides = ((dk, dv), (*dk.stride()[:2], *dv.stride()[:2])) if packed else ((None, None), (0,) * 4)
     rows = [Box(t, (t.numel(),), (1,), (cfg.block_m,), ROW_LAYOUT) for t in (lse2, delta2)]
