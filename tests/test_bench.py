@@ -421,3 +421,48 @@ def test_replay_ms_times_the_graph_back_to_back():
     t1, t4 = harness.replay_ms(one), harness.replay_ms(four)
     assert 3.6 < t4 / t1 < 4.4, (t1, t4)
     assert 0.85 < t1 / harness.bench_ms(one.replay) < 1.1
+
+
+def test_prefill_small_section_rows_and_targets(tmp_path, monkeypatch):
+    """The small section: a row per implementation and shape (flashtile with its host times), a
+    peer that fails recorded with its error, and the summary's targets read from the rows: the
+    forward loop against 1.1x its graph or SDPA's loop, forward + backward against FA4's and 1.25x
+    SDPA-flash's."""
+    from flashtile.bench import small
+
+    monkeypatch.setattr(small, "SHAPES", ((8, 64, 2, 16, True), (4, 32, 2, 16, False)))
+    monkeypatch.setattr(small, "VARLEN_SHAPES", ((8, 64, 2, 16, True),))
+    monkeypatch.setattr(small, "_fa4_module", lambda: "fa4")
+    timings = {"flashtile": (100.0, 95.0, 300.0), "sdpa-flash": (90.0, 88.0, 250.0), "fa4": (120.0, 90.0, 290.0)}
+
+    def fake_impls(varlen, fa4):
+        names = ["flashtile", "fa4"] if varlen else ["flashtile", "sdpa-flash", "fa4"]
+        return {n: n for n in names}
+
+    def fake_calls(name, inputs, dout):
+        if name == "fa4" and inputs[0].dim() == 3:
+            raise RuntimeError("no varlen kernel")
+        loop, graph, both = timings[name]
+        return ("fwd", loop, graph), ("fwd_bwd", both, both - 40)
+
+    monkeypatch.setattr(small, "implementations", fake_impls)
+    monkeypatch.setattr(small, "_calls", fake_calls)
+    monkeypatch.setattr(small, "_loop_us", lambda call: call[1])
+    monkeypatch.setattr(small, "_graph_us", lambda call: call[2])
+    monkeypatch.setattr(small, "launches_stubbed", lambda: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(harness, "ceilings", lambda: CEILINGS)
+    arange = torch.arange
+    monkeypatch.setattr(torch, "randn", lambda *shape, **kw: torch.zeros(*shape))  # the inputs, on the CPU
+    monkeypatch.setattr(torch, "arange", lambda *a, device=None, **kw: arange(*a, **kw))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    result = prefill.run(_prefill_args(sections=["small"]), str(tmp_path / "prefill.json"))
+    rows = result["rows"]
+    assert len(rows) == 3 + 3 + 2 and {r["section"] for r in rows} == {"small"}
+    ours = [r for r in rows if r["impl"] == "flashtile"]
+    assert all(r["host_fwd_us"] == 100.0 and r["host_bwd_us"] == 200.0 for r in ours)
+    assert [r["error"] for r in rows if "error" in r] == ["RuntimeError('no varlen kernel')"]
+    table = "\n".join(prefill_report._section_summary(result))
+    # fwd loop 100 <= 1.1 x graph 95: met; fwd + bwd 300 > 1.25 x SDPA's 250 (312.5)? met, > FA4's 290: missed
+    assert "| 8, 64, 2, 16 | 100 / 95 | 120 / 90 | 90 / 88 | 300 / 260 | 290 | 250 | 100 / 200 | met | missed |" in table
+    # the packed rows beside SDPA on the same tokens as a dense batch
+    assert "| varlen 8, 64, 2, 16 | 100 / 95 | - | 90 / 88 | 300 / 260 | - | 250 | 100 / 200 | met | met |" in table

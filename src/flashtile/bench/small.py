@@ -36,20 +36,31 @@ VARLEN_SHAPES = ((8, 1024, 16, 128, True), (64, 128, 16, 128, True))
 def launches_stubbed():
     """Every launch flashtile has compiled and cached (ops._launch) a no-op while the block runs:
     what a call then costs is its host path. Run the calls once before, so that they are cached."""
-    from flashtile.ops import backward, decode, forward
+    from flashtile.ops import _launch, backward, decode, forward
 
     kernels = [k for m in (forward, backward, decode) for k in vars(m).values() if hasattr(k, "_flashtile_launches")]
     kernels += [k._flashtile_unaligned for k in kernels if hasattr(k, "_flashtile_unaligned")]
     saved = [(k, dict(k._flashtile_launches)) for k in kernels]
+    # the planned launches keep the last call's compiled launcher bound: unbind them, so that they
+    # bind the stub (and, after, the launcher again)
+    def unbind():
+        for plans in _launch._plan_caches:
+            for plan in plans.values():
+                for p in [plan] if isinstance(plan, _launch.Plan) else plan.launches:
+                    if p.launch is not None:
+                        p.launch._bound = None
+
     noop = lambda *args: None  # noqa: E731
     for k, cache in saved:
         k._flashtile_launches.update({key: (noop, *hit[1:]) for key, hit in cache.items()})
+    unbind()
     try:
         yield
     finally:
         for k, cache in saved:
             k._flashtile_launches.clear()
             k._flashtile_launches.update(cache)
+        unbind()
 
 
 def _loop_us(call) -> float:
