@@ -323,3 +323,69 @@ def test_hopper_plans_bind_the_kernels_arguments(sm90, monkeypatch, extras, d):
     consumers = fwd.launch.constexprs["CONSUMERS"]
     assert consumers == (3 if d == 64 else 2)
     assert fwd.launch.options["maxnreg"] == forward.hopper_forward_maxnreg(consumers)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_hopper_backward_plan_runs_its_delta_launch(sm90, monkeypatch, packed):
+    """The Hopper backward's plan on the CPU, its delta launch run by the interpreter and the Gluon
+    kernel's launch caught: the delta launch leaves the LSE in the log2 domain (+inf past each
+    sequence's rows), delta = rowsum(dO * O) (0 past them) and zeroes the fp32 dQ sum it is given
+    (poisoned here); the kernel gets those buffers and the call's tensors in their slots; dq is
+    the caught dQ sum scaled (zero, as the kernel never ran)."""
+    from flashtile._checks import Varlen
+    from flashtile.ops import _launch, backward
+
+    monkeypatch.setattr(configs, "on_gpu", lambda device: True)
+    caught = []
+    real = _launch.Prepared.__call__
+
+    def call(self, tensors, scalars, stream=None, key=None):
+        if self.kernel is backward._bwd_kernel_sm90:
+            caught.append(tensors)
+        else:
+            real(self, tensors, scalars, stream, key)
+
+    monkeypatch.setattr(_launch.Prepared, "__call__", call)
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):  # every buffer the call makes starts as NaN
+        t = empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    h, d = 2, 64
+    if packed:
+        lengths = [70, 0, 129]
+        q, k, v, out, dout = (torch.randn(sum(lengths), h, d, dtype=torch.float16) for _ in range(5))
+        cu = torch.tensor([0, 70, 70, 199], dtype=torch.int32)
+        varlen, lse = Varlen(cu, cu, 129, 129), torch.randn(h, sum(lengths))
+    else:
+        q, k, v, out, dout = (torch.randn(2, 129, h, d, dtype=torch.float16) for _ in range(5))
+        varlen, lse = None, torch.randn(2, h, 129)
+    lse[..., 3] = float("-inf")  # a row that saw no key
+    delta = torch.full_like(lse, float("nan"))
+    dq, dk, dv = backward.attention_backward(dout, q, k, v, out, lse, 0.125, (None, 0), delta=delta, varlen=varlen)
+    (tensors,) = caught
+    names = [p.name for p in backward._bwd_kernel_sm90.params][:len(tensors)]
+    got = dict(zip(names, tensors))
+    lse2, delta2, dq_acc = got["lse_desc"].base, got["delta_desc"].base, got["dq_desc"].base
+    assert dq_acc.shape == q.shape and dq_acc.dtype == torch.float32 and torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    assert got["q_desc"].base is q and got["do_desc"].base is dout and got["k_desc"].base is k
+    rowsum = (dout.float() * out.float()).sum(-1)  # (b, s, h) or (total, h)
+    want_delta = rowsum.transpose(-1, -2)  # the LSE's layout
+    torch.testing.assert_close(delta, want_delta, atol=1e-3, rtol=1e-3)
+    rows_pad = lse2.numel() // (h * (2 if not packed else 3))
+    seqs = [(0, 129), (129, 258)] if not packed else [(0, 70), (70, 70), (70, 199)]
+    for s, (lo, hi) in enumerate(seqs):
+        for head in range(h):
+            base = (s * h + head) * rows_pad
+            n = hi - lo
+            mine = lse[s, head] if not packed else lse[head, lo:hi]
+            want = torch.where(mine == float("-inf"), float("inf"), mine * 1.4426950408889634)
+            torch.testing.assert_close(lse2[base:base + n], want, atol=1e-5, rtol=1e-6)
+            assert bool((lse2[base + n:base + rows_pad] == float("inf")).all())
+            mine_delta = want_delta[s, head] if not packed else want_delta[head, lo:hi]
+            torch.testing.assert_close(delta2[base:base + n], mine_delta, atol=1e-3, rtol=1e-3)
+            assert bool((delta2[base + n:base + rows_pad] == 0).all())
+    assert torch.equal(dq, torch.zeros_like(dq))
