@@ -124,8 +124,8 @@ class StandIn:
 
 
 def launch_key_rows(row, split: _launch.Prepared, tensors: tuple, scalars: tuple):
-    """The split kernel's cached launch, up to the compiled kernel's run (a no-op here): through
-    _launch.launch (the whole key every call) and through the plan's Prepared launch."""
+    """The split kernel's cached launch, up to the compiled kernel's run (a no-op here): with every
+    argument the call's (the whole key every call) and through the plan's Prepared launch."""
 
     class Compiled(_launch.triton.compiler.CompiledKernel):
         def __init__(self):  # noqa: D401 - a stand-in: run does nothing
@@ -146,9 +146,10 @@ def launch_key_rows(row, split: _launch.Prepared, tensors: tuple, scalars: tuple
     try:
         kernel = Kernel()
         every = tuple(StandIn(t) if t is not None else None for t in tensors + split.tensors)
-        call = (kernel, split.grid, every, scalars + split.scalars, split.options["num_warps"],
-                split.options["num_stages"])
-        row("  _launch.launch: whole key built and hashed per call", lambda: _launch.launch(*call, **split.constexprs))
+        whole = _launch.Prepared(kernel, split.grid, (), (), split.options["num_warps"], split.options["num_stages"],
+                                 **split.constexprs)
+        row("  every argument the call's: whole key built and hashed per call",
+            lambda: whole(every, scalars + split.scalars))
         prepared = _launch.Prepared(kernel, split.grid, every[len(tensors):], split.scalars,
                                     split.options["num_warps"], split.options["num_stages"], **split.constexprs)
         row("  _launch.Prepared (the plan's): the call's part of the key", lambda: prepared(every[:len(tensors)], scalars))

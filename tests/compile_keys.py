@@ -1,6 +1,7 @@
 """What each kernel launch would compile on an H100, without a GPU: the keys of Triton's JIT cache.
 
-`recording()` replaces every launch of flashtile's kernels by a recorder (nothing runs) and, for
+`recording()` replaces every launch of flashtile's kernels (ops._launch.Prepared, through which
+every launcher goes) by a recorder (nothing runs) and, for
 each, computes the key Triton's JIT cache would look the kernel up by on sm_90: the kernel's name
 plus the specialisation of every argument (a pointer's dtype and 16-byte alignment; an int's type
 and whether 16 divides it or it is 1, unless the kernel says do_not_specialize; each constexpr's
@@ -70,26 +71,17 @@ def _clear_config_caches():
 def recording(as_h100: bool = False):
     rec = Recorder()
 
-    def launch(kernel, grid, tensors, scalars, num_warps, num_stages, launch_pdl=False, maxnreg=None, **constexprs):
-        options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl, maxnreg=maxnreg)
-        kernel = _launch.for_strides(kernel, len(tensors), scalars)
-        rec.launches.append(key_of(kernel, tensors, scalars, constexprs, options))
-
     def prepared_call(self, tensors, scalars, stream=None, key=None):
         every, all_scalars = tensors + self.tensors, scalars + self.scalars
         kernel = _launch.for_strides(self.kernel, len(every), all_scalars)
         rec.launches.append(key_of(kernel, every, all_scalars, self.constexprs, self.options))
 
-    saved = [(m, "launch", m.launch) for m in (_launch, forward, backward, decode) if hasattr(m, "launch")]
-    saved.append((_launch.Prepared, "__call__", _launch.Prepared.__call__))
+    saved = [(_launch.Prepared, "__call__", _launch.Prepared.__call__)]
     if as_h100:
         saved += [(configs, "capability", configs.capability), (configs, "on_gpu", configs.on_gpu),
                   (forward, "tile_counter", forward.tile_counter),
                   (decode, "current_stream", decode.current_stream)]
     try:
-        for module, name, _ in saved:
-            if name == "launch":
-                setattr(module, name, launch)
         _launch.Prepared.__call__ = prepared_call
         if as_h100:
             _clear_config_caches()

@@ -8,6 +8,12 @@ import triton
 from flashtile.ops import _launch
 
 
+def launch(kernel, grid, tensors, scalars, num_warps, num_stages, launch_pdl=False, maxnreg=None, **constexprs):
+    """A launch with every argument the call's: a Prepared launch with nothing fixed."""
+    return _launch.Prepared(kernel, grid, (), (), num_warps, num_stages, launch_pdl, maxnreg, **constexprs)(
+        tensors, scalars)
+
+
 class FakeTensor:
     def __init__(self, ptr, dtype="f16"):
         self.ptr, self.dtype = ptr, dtype
@@ -48,13 +54,13 @@ def kernel(monkeypatch):
 
 def test_second_call_launches_the_compiled_kernel_directly(kernel):
     x, y = FakeTensor(1024), FakeTensor(2048)
-    _launch.launch(kernel, (3, 2), (x, y), (5, 0.5), 4, 2, A=1, B=True)
+    launch(kernel, (3, 2), (x, y), (5, 0.5), 4, 2, A=1, B=True)
     assert len(kernel.triton_calls) == 1 and kernel.direct_calls == []
     grid, args, kwargs = kernel.triton_calls[0]
     assert grid == (3, 2) and args == (x, y, 5, 0.5)
     assert kwargs == dict(A=1, B=True, num_warps=4, num_stages=2)
     x2, y2 = FakeTensor(4096), FakeTensor(8192)  # other tensors, same key
-    _launch.launch(kernel, (7,), (x2, y2), (5, 0.5), 4, 2, A=1, B=True)
+    launch(kernel, (7,), (x2, y2), (5, 0.5), 4, 2, A=1, B=True)
     assert len(kernel.triton_calls) == 1
     # grid padded to 3 dims, stream, handles, no hooks, then the arguments in signature order
     assert kernel.direct_calls == [(7, 1, 1, 77, "fn", "meta", None, None, None, x2, y2, 5, 0.5, True, 1)]
@@ -65,7 +71,7 @@ def test_second_call_launches_the_compiled_kernel_directly(kernel):
 def test_any_specialisation_change_goes_back_through_triton(kernel, change):
     x, y = FakeTensor(1024), FakeTensor(2048)
     call = dict(tensors=(x, y), scalars=(5, 0.5), warps=4, consts=dict(A=1, B=True))
-    _launch.launch(kernel, (1,), call["tensors"], call["scalars"], call["warps"], 2, **call["consts"])
+    launch(kernel, (1,), call["tensors"], call["scalars"], call["warps"], 2, **call["consts"])
     if change == "misaligned":
         call["tensors"] = (x, FakeTensor(2048 + 8))
     elif change == "dtype":
@@ -78,7 +84,7 @@ def test_any_specialisation_change_goes_back_through_triton(kernel, change):
         call["warps"] = 8
     else:
         call["tensors"] = (x, None)
-    _launch.launch(kernel, (1,), call["tensors"], call["scalars"], call["warps"], 2, **call["consts"])
+    launch(kernel, (1,), call["tensors"], call["scalars"], call["warps"], 2, **call["consts"])
     assert len(kernel.triton_calls) == 2 and kernel.direct_calls == []
 
 
@@ -87,12 +93,12 @@ def test_scalar_values_triton_does_not_specialise_on_launch_directly(kernel):
     float launch the kernel compiled for the first values, with the new values; the new key is
     kept, so a third call hashes only its values."""
     x, y = FakeTensor(1024), FakeTensor(2048)
-    _launch.launch(kernel, (1,), (x, y), (5, 0.5), 4, 2, A=1, B=True)
-    _launch.launch(kernel, (1,), (x, y), (7, 0.25), 4, 2, A=1, B=True)
+    launch(kernel, (1,), (x, y), (5, 0.5), 4, 2, A=1, B=True)
+    launch(kernel, (1,), (x, y), (7, 0.25), 4, 2, A=1, B=True)
     assert len(kernel.triton_calls) == 1
     assert kernel.direct_calls == [(1, 1, 1, 77, "fn", "meta", None, None, None, x, y, 7, 0.25, True, 1)]
     assert len(kernel._flashtile_launches) == 3  # (5, 0.5), its specialisation, (7, 0.25)
-    _launch.launch(kernel, (1,), (x, y), (2**31 - 1, 0.25), 4, 2, A=1, B=True)
+    launch(kernel, (1,), (x, y), (2**31 - 1, 0.25), 4, 2, A=1, B=True)
     assert len(kernel.triton_calls) == 1 and len(kernel.direct_calls) == 2
 
 
@@ -100,7 +106,7 @@ def test_cache_is_bounded(kernel, monkeypatch):
     monkeypatch.setattr(_launch, "MAX_ENTRIES", 3)
     x = FakeTensor(1024)
     for n in range(5):
-        _launch.launch(kernel, (1,), (x, x), (n, 0.5), 4, 2, A=1, B=True)
+        launch(kernel, (1,), (x, x), (n, 0.5), 4, 2, A=1, B=True)
     assert len(kernel._flashtile_launches) <= 3
 
 
@@ -110,7 +116,7 @@ def test_launch_hooks_take_tritons_path(kernel):
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
         for _ in range(2):
-            _launch.launch(kernel, (1,), (x, x), (1, 0.5), 4, 2, A=1, B=True)
+            launch(kernel, (1,), (x, x), (1, 0.5), 4, 2, A=1, B=True)
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert len(kernel.triton_calls) == 2 and kernel.direct_calls == []
@@ -177,7 +183,7 @@ def test_a_kernel_without_scratch_is_launched_by_the_c_function(monkeypatch, scr
     monkeypatch.setattr(_launch, "current_stream", lambda device: 77)
     kernel, x = Kernel(["X", "Y", "n", "scale", "B", "A"]), FakeTensor(1024)
     for _ in range(2):
-        _launch.launch(kernel, (2,), (x, x), (5, 0.5), 4, 2, A=1, B=True)
+        launch(kernel, (2,), (x, x), (5, 0.5), 4, 2, A=1, B=True)
     assert len(kernel.triton_calls) == 1
     if scratch:
         assert calls == [("wrapper", (2, 1, 1, 77, "fn", "meta", None, None, None, x, x, 5, 0.5, True, 1))]
@@ -203,14 +209,14 @@ def test_a_hit_passes_tensors_as_addresses_and_boxes_as_they_are(kernel):
 
     x, y = FakeTensor(1024), torch.zeros(8)
     for _ in range(2):
-        _launch.launch(kernel, (1,), (x, y, box()), (5,), 4, None, maxnreg=128, A=1, B=True)
+        launch(kernel, (1,), (x, y, box()), (5,), 4, None, maxnreg=128, A=1, B=True)
     (_, args, kwargs), = kernel.triton_calls
     assert isinstance(args[2], GluonTensorDescriptor) and args[2].block_shape == [1, 16, 1, 64]
     assert kwargs == dict(A=1, B=True, num_warps=4, maxnreg=128)  # no num_stages: a Gluon kernel's launch
     (hit,) = kernel.direct_calls
     assert hit[9] is x and hit[10] == y.data_ptr() and type(hit[11]) is _launch.Box
     assert box().key == box().key != _launch.Box(base, base.shape, base.stride(), (1, 32, 1, 64), layout).key
-    _launch.launch(kernel, (1,), (x, y, box()), (5,), 4, None, maxnreg=96, A=1, B=True)
+    launch(kernel, (1,), (x, y, box()), (5,), 4, None, maxnreg=96, A=1, B=True)
     assert len(kernel.triton_calls) == 2  # another register budget is another binary
 
 

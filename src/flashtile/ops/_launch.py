@@ -6,7 +6,7 @@ only then launches. On the H100 machine's host that took 34 µs per call for the
 (52 µs through @triton.heuristics), the launch itself 7 µs (scripts/profile_host.py): more than the
 ~30 µs a decoding step spends on the GPU.
 
-`launch` keeps Triton's own answer. The first call with a given key goes through `kernel[grid]`
+`Prepared` keeps Triton's own answer. The first call with a given key goes through `kernel[grid]`
 (compiling if needed) and keeps the compiled kernel it returns; later calls with the same key
 launch that kernel directly. The key holds every scalar argument by value, each tensor's dtype and
 whether its address is 16-byte aligned, the constexprs, warps, stages and register cap, and the
@@ -17,9 +17,10 @@ whether it is 1, whether 16 divides it; a float's type - before it takes Triton'
 MAX_ENTRIES. Under TRITON_INTERPRET=1, with launch hooks installed (profilers) or with anything
 Triton's path does not return as a compiled kernel, every call takes Triton's path.
 
-`Prepared` is the same cache for a launch whose trailing arguments are fixed in advance (the
-decoding plan's): their part of the key is hashed once, and each call keys only its own tensors
-and strides.
+A Prepared launch's trailing arguments are fixed in advance (a decoding plan's, or all of them
+in a prefill call's Plan): their part of the key is hashed once, and each call keys only its own
+tensors and scalars. A `Plan` is a Prepared launch whose tensors come from a call's tensors by
+slot, made once per description of a call (shapes, strides, dtypes, alignments, options).
 
 A Gluon kernel's TMA descriptors go in as `Box`es: the descriptor's fields without its checks.
 Triton's path gets real descriptors made from them (checked there, once per key); a cached launch
@@ -142,31 +143,6 @@ def for_strides(kernel, n_tensors: int, scalars: tuple):
     return twin
 
 
-def launch(kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int | None,
-           launch_pdl: bool = False, maxnreg: int | None = None, **constexprs):
-    """kernel[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...), cached.
-
-    tensors: the kernel's leading pointer and descriptor arguments (None for an absent optional
-    tensor; a Gluon TMA descriptor as a Box), scalars: the int/float arguments after them, in
-    signature order; every constexpr by keyword. Each call site passes the same Python type at
-    each position (an int never becomes a float or a bool).
-    num_stages: None for a Gluon kernel (it pipelines by hand; the option does not apply).
-    launch_pdl: launch as a programmatic dependent of the previous kernel in the stream (sm_90+;
-    the kernel must gdc_wait before it reads what that kernel writes). maxnreg: the registers a
-    thread may take (Gluon's warp-specialised kernels), None for the compiler's choice.
-    """
-    hooks = triton.knobs.runtime
-    options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-                   **({"launch_pdl": True} if launch_pdl else {}), **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    if not tensors[0].is_cuda or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-        kernel = for_strides(kernel, len(tensors), scalars)
-        return kernel[grid](*_for_triton(tensors), *scalars, **constexprs, **options)
-    device = tensors[0].get_device()
-    rest = (num_warps, num_stages, launch_pdl, maxnreg, tuple(constexprs.items()), tuple(map(_tensor_key, tensors)))
-    _cached_launch(kernel, (device, scalars, *rest), grid, tensors, scalars, constexprs, options, device,
-                   general=lambda: ("class", device, _scalar_classes(scalars), *rest))
-
-
 def _cached_launch(kernel, key, grid, tensors, scalars, constexprs, options, device, stream=None, general=None):
     """Launch the compiled kernel kept under key, or under general() (the key with each scalar's
     specialisation in place of its value), or go through Triton once and keep it under both;
@@ -279,7 +255,7 @@ def _fixed_id(fixed: tuple) -> int:
 
 class Prepared:
     """A launch whose trailing arguments are fixed (a decoding plan's): the call adds the leading
-    tensors and scalars, launch(kernel, grid, tensors + fixed tensors, scalars + fixed scalars, ...).
+    tensors and scalars: kernel[grid](*tensors, *fixed tensors, *scalars, *fixed scalars, ...), cached.
 
     The fixed part of the cache key (about 60 scalars, constexprs and tensor keys for the decoding
     kernel) is hashed once, when the launch is prepared, and stands in the key as one int: a call
@@ -299,6 +275,16 @@ class Prepared:
 
     def __init__(self, kernel, grid, tensors: tuple, scalars: tuple, num_warps: int, num_stages: int | None,
                  launch_pdl: bool = False, maxnreg: int | None = None, **constexprs):
+        """kernel[grid](*call's tensors, *tensors, *call's scalars, *scalars, **constexprs, ...).
+
+        tensors: the kernel's trailing pointer and descriptor arguments (None for an absent optional
+        tensor; a Gluon TMA descriptor as a Box), scalars: the int/float arguments after the call's,
+        in signature order; every constexpr by keyword. Each call passes the same Python type at
+        each position (an int never becomes a float or a bool). num_stages: None for a Gluon
+        kernel (it pipelines by hand; the option does not apply). launch_pdl: launch as a
+        programmatic dependent of the previous kernel in the stream (sm_90+; the kernel must
+        gdc_wait before it reads what that kernel writes). maxnreg: the registers a thread may take
+        (Gluon's warp-specialised kernels), None for the compiler's choice."""
         self.kernel, self.grid, self.tensors, self.scalars, self.constexprs = kernel, grid, tensors, scalars, constexprs
         self.options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
                             **({"launch_pdl": True} if launch_pdl else {}), **({} if maxnreg is None else

@@ -1201,7 +1201,7 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     blocks are launched last first, so a program only waits for programs launched before it (this
     relies on the GPU starting programs in launch order, as FlashAttention-3's deterministic
     backward does; a program waiting on one not yet started would wait forever).
-    Pointers and descriptors come before the scalars, as ops._launch.launch passes them."""
+    Pointers and descriptors come before the scalars, as ops._launch.Prepared passes them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2

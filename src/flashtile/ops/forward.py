@@ -263,7 +263,7 @@ def attention_forward(q, k, v, softmax_scale: float, window: tuple, softcap: flo
     What the launch takes from the call's shapes, strides, dtypes and options (the kernel, its
     tiles, grid, scalars, TMA boxes) is planned once per description of the call (plan_key) and
     replayed: a call that matches one allocates its outputs and launches (the host path of small
-    calls, docs/performance.md).
+    calls: README, "Small calls and compilation").
     """
     key = plan_key(q, k, v, out, softmax_scale, window, softcap, alibi_slopes, varlen, dropout, sink)
     plan = _plans.get(key)
@@ -878,7 +878,7 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng,
     their columns past it read as zeros, and the output's are not stored. O_TMA: o_desc, a box of a
     consumer's rows of Out (BSHD; packed: (1, total, heads, d)), takes the output rows
     (_fwd_sm90_epilogue); without it o_desc is q_desc and not read (a partition's argument cannot
-    be None). Pointers and descriptors come before the scalars, as ops._launch.launch passes them."""
+    be None). Pointers and descriptors come before the scalars, as ops._launch.Prepared passes them."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
