@@ -52,6 +52,16 @@ def command_line() -> str:
     return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
+def fa4_module():
+    """FlashAttention-4's interface (flash_attn.cute: CuTe DSL), or None when it does not import
+    (../shared/tools/fa4_peer.sh brings it to the GPU machine)."""
+    try:
+        import flash_attn.cute as fa4
+    except Exception:  # not installed, or its CuTe DSL / CUDA bindings fail to load: a peer we go without
+        return None
+    return fa4
+
+
 def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of fn() (triton.testing.do_bench; warmup and rep are milliseconds)."""
     from triton.testing import do_bench

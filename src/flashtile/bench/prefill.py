@@ -53,7 +53,7 @@ PEERS = ("flashtile", "flashtile-det", "flashtile-triton", "sdpa-flash", "cudnn"
 FA4_PEERS = ("fa4", "fa4-det")  # run only when flash_attn.cute imports
 
 
-def _sdpa(backend):
+def sdpa_peer(backend):
     from torch.nn.attention import sdpa_kernel
 
     def run(q, k, v, causal):  # BSHD in, BSHD out
@@ -149,9 +149,9 @@ def implementations(names):
         "flashtile": tile,
         "flashtile-det": lambda q, k, v, causal: tile(q, k, v, causal, deterministic=True),
         "flashtile-triton": tile,  # under _triton_only (PEER_CONTEXTS)
-        "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
-        "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
-        "mem-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa-flash": sdpa_peer(SDPBackend.FLASH_ATTENTION),
+        "cudnn": sdpa_peer(SDPBackend.CUDNN_ATTENTION),
+        "mem-efficient": sdpa_peer(SDPBackend.EFFICIENT_ATTENTION),
     }
     if any(n in FA4_PEERS for n in names):
         fa4 = _fa4()
@@ -512,11 +512,8 @@ def run(args, path: str | None = None) -> dict:
 
 def _fa4():
     """FlashAttention-4's flash_attn_func (CuTe DSL) or None when it does not import."""
-    try:
-        from flash_attn.cute import flash_attn_func
-    except Exception:  # not installed, or its CuTe DSL / CUDA bindings fail to load: a peer we go without
-        return None
-    return flash_attn_func
+    fa4 = harness.fa4_module()
+    return None if fa4 is None else fa4.flash_attn_func
 
 
 def run_sink(args, dtype, result, path):

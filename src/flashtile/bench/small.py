@@ -87,43 +87,30 @@ def _calls(fn, inputs, dout):
     return fwd, fwd_bwd
 
 
-def implementations(varlen: bool, fa4_module):
-    """{name: fn(q, k, v, ...) -> out} of the peers that run here."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def implementations(varlen: bool, fa4):
+    """{name: fn(q, k, v, ...) -> out} of the peers that run here (fa4: flash_attn.cute or None)."""
+    from torch.nn.attention import SDPBackend
 
     import flashtile
+    from flashtile.bench.prefill import sdpa_peer
 
     if varlen:
         table = {"flashtile": lambda q, k, v, cu, n, causal: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, n, n,
                                                                                               causal=causal)}
-        if fa4_module is not None:
-            table["fa4"] = lambda q, k, v, cu, n, causal: fa4_module.flash_attn_varlen_func(
+        if fa4 is not None:
+            table["fa4"] = lambda q, k, v, cu, n, causal: fa4.flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, causal=causal)[0]
         return table
-
-    def sdpa(q, k, v, causal):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
-
     table = {"flashtile": lambda q, k, v, causal: flashtile.flash_attn_func(q, k, v, causal=causal),
-             "sdpa-flash": sdpa}
-    if fa4_module is not None:
-        table["fa4"] = lambda q, k, v, causal: fa4_module.flash_attn_func(q, k, v, causal=causal)[0]
+             "sdpa-flash": sdpa_peer(SDPBackend.FLASH_ATTENTION)}
+    if fa4 is not None:
+        table["fa4"] = lambda q, k, v, causal: fa4.flash_attn_func(q, k, v, causal=causal)[0]
     return table
-
-
-def _fa4_module():
-    try:
-        import flash_attn.cute as fa4
-    except Exception:  # not installed, or its CuTe DSL / CUDA bindings fail to load: a peer we go without
-        return None
-    return fa4
 
 
 def run_small(args, dtype, result, path) -> None:
     """The rows of the module docstring into result["rows"] (section "small")."""
-    fa4 = _fa4_module()
+    fa4 = harness.fa4_module()
     if fa4 is None:
         print("small: flash_attn.cute does not import; FlashAttention-4 rows skipped")
     for varlen, (b, n, h, d, causal) in itertools.chain(((False, s) for s in SHAPES),
