@@ -49,17 +49,8 @@ INTERPRETER_CONFIG = BlockConfig(16, 16, 4, 1)
 
 def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool) -> BlockConfig:
     """Tiles for ops.forward on an H100 (sm_90), by head dim, dtype and mask only: a sequence length
-    never picks a tile, so a new length never compiles a kernel (tests/test_recompile.py).
-
-    From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_*.json), with
-    the vectorised masked loads (head_dim_mask), at 2k / 4k:
-    d=64: non-causal (128, 64, 8 warps, 3 stages) 401 / 404 TFLOP/s, (128, 64, 4, 3) 395 / 398;
-    causal (64, 64, 4, 3) 336 / 398, (128, 64, 8, 3) 342 / 341.
-    d=128: non-causal (128, 128, 8, 3) 455 / 469, (64, 64, 4, 3) 409 / 410; causal (64, 64, 4, 3)
-    352 / 385, (128, 64, 8, 3) 348 / 389. (128, 64, 4, 3) spills: 168 / 181. Below 2k, before the
-    vectorised loads, (64, 64, 4, 3) won at 1k: 327 vs 301 non-causal.
-    d=256: (128, 64, 8, 2) 458 / causal 359 at 4k; (64, 64, 4, 2) 250 (before them).
-    """
+    never picks a tile, so a new length never compiles a kernel (tests/test_recompile.py). The
+    sweeps behind each: docs/tuning.md."""
     if not on_gpu(device):
         return INTERPRETER_CONFIG
     bd = padded_headdim(d)
@@ -76,26 +67,12 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
                           softcap: bool = False) -> BlockConfig | None:
     """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90), or None (the Triton kernel runs),
     by head dim, dtype and flags only: no length picks the kernel or its tiles, so after one call
-    no other length, batch or packed batch compiles anything (tests/test_recompile.py).
-
-    block_m rows, 64 per consumer warpgroup of num_warps = 4 (hopper_forward_consumers; the other
-    consumers and the loader warp come on top). Against the Triton kernel (prefill.json of 89be182,
-    bf16, 16k tokens, forward TFLOP/s, this kernel / the Triton kernel): d=128 1k / 2k / 16k
-    477 / 382, 526 / 451, 554 / 495, causal 299 / 290, 449 / 345, 611 / 454; d=256 1.24-1.30x
-    (causal 1k on the H200 407-417 against 293-295, ab_hopper_forward_d256.txt); d=64 non-causal
-    1k / 2k / 4k 1.055 / 1.079 / 1.081x, causal 4k 1.089x (ab_hopper_forward.py, five rounds).
-    Where the Triton kernel measured faster at some lengths, it used to take those lengths: d=64
-    causal at 1k (this kernel 0.884x there, 1.043x at 2k) and below 2k keys, non-causal d=64
-    below 1k keys, causal d=256 below 1k keys, and fewer than 128 query rows (not measured). A
-    choice by length compiles a second kernel the first time a batch crosses the line (4-5 s on
-    the H100), so those lengths now take this kernel too.
-    With softcap (softcap_dispatch.json, 7b32a00, capped at 50, this kernel / the Triton kernel in
-    one run): d=128 1.18-1.34x at 1k-16k, causal 1.06-1.29x; d=64 1.17-1.25x, but causal at 4k / 8k /
-    16k 217 / 235, 241 / 237, 250 / 250 TFLOP/s (three exponential-unit operations a score where
-    the products of 64 columns take half d=128's time), so a capped causal d=64 keeps the Triton
-    kernel. With ALiBi (prefill.json section alibi, eb02e29) 0.96-1.31x, 1.0x or more from 4k.
-    The d=64 cut holds for d=48 too (hopper_takes: there the Triton kernel runs the d=64 tiles
-    with whole 16-byte accesses); other head dims computed at 64 or 256 take this kernel.
+    no other length, batch or packed batch compiles anything (tests/test_recompile.py). block_m
+    rows, 64 per consumer warpgroup of num_warps = 4 (hopper_forward_consumers; the other consumers
+    and the loader warp come on top). A capped causal forward at d=64 keeps the Triton kernel: three
+    exponential-unit operations a score where the products of 64 columns take half d=128's time
+    (so does d=48, whose Triton tiles read whole 16-byte pieces: hopper_takes); the measurements:
+    docs/tuning.md.
     """
     if not hopper_takes(d, dtype, device):
         return None
@@ -146,12 +123,9 @@ def hopper_forward_tiles(d: int) -> BlockConfig:
 
 def hopper_forward_consumers(d: int) -> int:
     """Consumer warpgroups of the Hopper forward, 64 query rows each: three at d=64 (160 registers
-    each; 1.06-1.12x two at 2k-16k, causal 1.00-1.04x, ab_three_consumers.txt), two elsewhere
-    (240 registers: a d=128 output tile alone takes 64 of them). Causal d=64 below 4k keys measured
-    two a little faster (H200, ab_fwd_d64_causal_two_vs_three.txt: 2k 361-365 against 354-360,
-    4k 398-401 against 404-408), but a second kernel for those lengths would compile when a batch
-    crosses 4k, so three take every length. With dropout three too (f345093,
-    ab_dropout_d64_three_consumers.txt: 4k 325-327 against two's 294-295, 16k 345-348 / 301-303)."""
+    each), at every length (two were a little faster causal below 4k keys, but a second kernel for
+    those lengths would compile when a batch crossed 4k: docs/tuning.md), two elsewhere (240
+    registers: a d=128 output tile alone takes 64 of them)."""
     return 3 if d == 64 else 2
 
 
@@ -208,18 +182,10 @@ def hopper_forward_persistent(d: int) -> bool:
 
 def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, dropout: bool = False,
                            softcap: bool = False) -> BlockConfig | None:
-    """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs).
-
-    block_m query rows per step, block_n keys per program in two halves, one per consumer
-    warpgroup of num_warps = 4; num_stages Q/dO buffers (3 do not fit next to the dS^T and dQ
-    buffers at d=128; at d=64 they were 3-5% slower, NOTES.md "Hopper backward"). prefill.json (2026-11-24,
-    bf16, 16k tokens, backward TFLOP/s, this kernel / the Triton programs in the same run) at 1k /
-    2k / 8k / 16k: d=128 402 / 340, 464 / 380, 483 / 415, 525 / 433; causal 280 / 232, 374 / 300,
-    425 / 371, 464 / 408. d=64 313 / 300, 355 / 340, 379 / 360, 420 / 363; causal 224 / 198, 290 /
-    265, 357 / 335, 375 / 343. d=256 (prefill_d256.json, against the Triton programs) 266 / 171,
-    297 / 183, 333 / 196, 340 / 193; causal 190 / 147, 255 / 174, 324 / 213, 343 / 217. Fewer than
-    128 query rows take it too (not measured against the Triton programs): no length picks the
-    kernel, so no length compiles a second one.
+    """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs),
+    at every length (docs/tuning.md). block_m query rows per step, block_n keys per program in two
+    halves, one per consumer warpgroup of num_warps = 4; num_stages Q/dO buffers (3 do not fit next
+    to the dS^T and dQ buffers at d=128, and were slower at d=64: docs/tuning.md).
     """
     if not hopper_takes(d, dtype, device):
         return None
@@ -228,20 +194,8 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, dro
 
 def hopper_backward_ordered(d: int) -> bool:
     """Whether a deterministic backward takes the Hopper kernel (dQ's additions in their fixed
-    order, ops._common.dq_order) over the Triton programs. Not at head dims computed at 256,
-    whose dQ (SPLIT_D) has no fixed order. Measured on the H100 (bf16, 16k tokens, backward
-    TFLOP/s, ordered Hopper / Triton programs in one run, 1k / 2k / 4k / 16k;
-    prefill_deterministic_ac2ed17.json, before the chunks of hopper_backward_head_chunk): d=128
-    346 / 344, 412 / 388, 461 / 366, 522 / 431; causal 236 / 233, 337 / 306, 412 / 342, 484 / 394;
-    d=64 causal 231 / 199, 309 / 263, 370 / 295, 441 / 348; d=64 without a right bound at 4k /
-    16k 378 / 346, 430 / 367, but at 1k / 2k 284 / 311, 330 / 346 (prefill_deterministic_first.json):
-    there all key blocks of a head started together and each waited for the one before at every Q
-    block. Launched in chunks of rows
-    (hopper_backward_head_chunk's ordered) the ordered kernel measured 305 / 380 there against
-    the Triton programs' 303 / 334 (ab_det_chunk.txt, two calls): level at 1k, so every length
-    takes it (a length that picked a kernel would compile a second one). At the head dims computed at 64 or 128
-    (prefill_deterministic_padded_dims.json): d=96 1.15-1.30x the Triton programs at 1k / 4k,
-    causal or not; d=48 1.04x at 4k, 1.38-1.45x causal."""
+    order, ops._common.dq_order) over the Triton programs: at every length, but not at head dims
+    computed at 256, whose dQ (SPLIT_D) has no fixed order (docs/tuning.md)."""
     return not hopper_backward_split_d(hopper_head_dim(d))
 
 
