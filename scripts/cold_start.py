@@ -31,7 +31,12 @@ def child(impl: str, name: str) -> None:
     import triton
 
     compiled = []
-    triton.knobs.runtime.jit_cache_hook = lambda *a, **kw: compiled.append(kw["fn"].name) and False
+
+    def hook(*args, **kwargs):  # sees every compilation; False: compile as usual
+        compiled.append(kwargs["fn"].name)
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = hook
     if impl == "fa4":
         from flash_attn.cute import flash_attn_func as fa4, flash_attn_varlen_func as fa4_varlen
     else:
@@ -78,15 +83,11 @@ def child(impl: str, name: str) -> None:
 
 def main(out=None, fa4=False) -> None:
     lines = []
-    cache = tempfile.mkdtemp(prefix="triton-cache-")
     runs = [("flashtile", "cold cache"), ("flashtile", "warm cache")] + ([("fa4", "")] if fa4 else [])
     for name in CONFIGS:
+        cache = tempfile.mkdtemp(prefix="triton-cache-")  # empty for the cold run, which fills it for the warm one
         for impl, note in runs:
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            if impl == "flashtile":
-                env["TRITON_CACHE_DIR"] = cache if note == "warm cache" else tempfile.mkdtemp(prefix="triton-cold-")
-                if note == "cold cache":
-                    cache = env["TRITON_CACHE_DIR"]
+            env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_CACHE_DIR=cache)
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", impl, name], env=env,
                                  capture_output=True, text=True, timeout=900)
             if run.returncode != 0:
