@@ -10,7 +10,7 @@ wherever it can (configs.hopper_backward_ordered's length cut at d=64 off). --ch
 kernel's rows without a right bound in chunks of N (configs.hopper_backward_head_chunk's L2 fit off).
 reruns: deterministic=True ROUNDS times (default 150) on shapes where an ordering race would
 show (GQA 16/4 causal at 4 x 4k among them): how many dQ differ bitwise from the first call's.
-Used for the ordered Hopper backward tried in c0bb5c2 (NOTES.md, "Deterministic Hopper backward") and
+Used for the ordered Hopper backward tried in c0bb5c2 (docs/changelog.md, "Backward") and
 for the one with a dQ writer warp (9c30b54, now what deterministic=True runs at d <= 128 on the H100).
 """
 
