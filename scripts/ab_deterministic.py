@@ -3,7 +3,7 @@
     PYTHONPATH=src python scripts/ab_deterministic.py [time|reruns] [ROUNDS] [SEQLENS] [--all-ordered] [--chunk=N]
 
 time: bf16, 16k tokens, heads x d = 2048 (bench prefill's shapes), d 64 / 128, causal and not,
-1k-16k; ops.backward.attention_backward alone (forward done once), each round timing both
+1k-16k; ops.prefill.attention_backward alone (forward done once), each round timing both
 settings one after the other (harness.bench_ms). Prints TFLOP/s and det / any-order. SEQLENS: a
 comma list (default 1024-16384). --all-ordered: deterministic=True takes the ordered Hopper kernel
 wherever it can (configs.hopper_backward_ordered's length cut at d=64 off). --chunk=N: the ordered
@@ -20,8 +20,8 @@ import torch
 
 from flashtile.bench import harness
 from flashtile.ops import configs
-from flashtile.ops.backward import attention_backward
-from flashtile.ops.forward import attention_forward
+from flashtile.ops.prefill import attention_backward
+from flashtile.ops.prefill import attention_forward
 
 
 def qkv(b, s, h, hk, d):

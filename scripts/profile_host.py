@@ -36,7 +36,7 @@ if not torch.cuda.is_available():  # the triton path on CPU tensors, with the la
 import flashtile  # noqa: E402
 from flashtile import _checks, api  # noqa: E402
 from flashtile.bench import harness  # noqa: E402
-from flashtile.ops import _launch, decode  # noqa: E402
+from flashtile.ops import _launch, decode, prefill  # noqa: E402
 
 
 def captured_launch(jit_kernel, call):
@@ -74,7 +74,7 @@ def prefill_rows(row, lines):
     row("prefill api forward, requires_grad", lambda: flashtile.flash_attn_func(*x, causal=True))
     row("prefill api forward + backward", lambda: torch.autograd.grad(
         flashtile.flash_attn_func(*x, causal=True), x, do))
-    row("ops.forward.attention_forward (launcher only)", lambda: forward.attention_forward(
+    row("ops.prefill.attention_forward (launcher only)", lambda: prefill.attention_forward(
         *(t.detach() for t in x), 128 ** -0.5, (None, 0)))
 
     def sdpa(*t):

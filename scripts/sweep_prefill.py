@@ -20,7 +20,7 @@ import sys
 import torch
 
 from flashtile.bench import harness
-from flashtile.ops import backward, configs, forward
+from flashtile.ops import backward, configs, forward, prefill
 from flashtile.ops.configs import BackwardConfig, BlockConfig
 
 C = BlockConfig
@@ -123,20 +123,20 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
     known = set(map(id, compiled_so_far.values()))
     grads, launch_ms = None, None
     try:
-        out, lse = forward.attention_forward(q, k, v, scale, window, dropout=dropout)
+        out, lse = prefill.attention_forward(q, k, v, scale, window, dropout=dropout)
         if kernel == "forward":
-            ms = harness.bench_ms(lambda: forward.attention_forward(q, k, v, scale, window, dropout=dropout))
+            ms = harness.bench_ms(lambda: prefill.attention_forward(q, k, v, scale, window, dropout=dropout))
             f = 4 * b * h * seqlen * seqlen * d
         else:
-            grads = backward.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout)
+            grads = prefill.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout)
             if reference is not None:
                 for name, got, ref in zip(("dq", "dk", "dv"), grads, reference):
                     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                     if not err < 1e-2:  # bf16 outputs of the same sums in another order: ~4e-3
                         raise AssertionError(f"{name} differs from the reference candidate's: {err:.3g}")
-            ms = harness.bench_ms(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
+            ms = harness.bench_ms(lambda: prefill.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
             try:
-                launch_ms = launch_times(lambda: backward.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
+                launch_ms = launch_times(lambda: prefill.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
             except Exception as e:  # the profiler's event API moves between torch versions
                 launch_ms = repr(e)[:200]
             f = 2.5 * 4 * b * h * seqlen * seqlen * d

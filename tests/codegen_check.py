@@ -37,7 +37,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtile.ops import backward, configs, decode, forward
+from flashtile.ops import backward, backward_sm90, configs, decode, forward, forward_sm90, host, sm90
 
 B = configs.BlockConfig
 KERNELS = {  # kernel, default tiles, the names they set
@@ -120,7 +120,7 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
 
 def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, sink: bool = False,
                            softcap: bool = False, alibi: bool = False, o_tma: bool = True):
-    """ops.forward._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
+    """ops.forward_sm90._fwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; sink: an fp32 attention sink; softcap: capped scores; alibi:
     ALiBi slopes), its tiles in chunks of heads where configs.hopper_forward_head_chunk takes them
     (d=64, causal). d: the tensors' head dim, computed at configs.hopper_head_dim(d). o_tma: the
@@ -129,7 +129,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
 
     d, head_dim = configs.hopper_head_dim(d), d
     cfg = configs.hopper_forward_tiles(d)
-    kernel = forward._fwd_kernel_sm90
+    kernel = forward_sm90._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
@@ -151,19 +151,19 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
         if n in const:
             signature[n] = "constexpr"
         elif n in boxes:
-            layout = forward.tma_box_layout(boxes[n], d, torch.bfloat16)
+            layout = host.tma_box_layout(boxes[n], d, torch.bfloat16)
             signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
         else:
             signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "Rng": "*i64", "qk_scale": "fp32",
                             "softcap": "fp32", "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32", "Slopes": "*fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, maxnreg=forward.hopper_forward_maxnreg(const["CONSUMERS"])))
+                          options=dict(num_warps=cfg.num_warps, maxnreg=forward_sm90.hopper_forward_maxnreg(const["CONSUMERS"])))
 
 
 def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False,
                             alibi: bool = False, deterministic: bool = False):
-    """ops.backward._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
+    """ops.backward_sm90._bwd_kernel_sm90 as _launch_sm90 launches it for bf16 BSHD tensors (varlen: a
     packed batch without seqused_k; softcap: capped scores; alibi: ALiBi slopes), its programs in
     chunks of (batch, K/V head) rows where configs.hopper_backward_chunked says so (the chunk is an
     argument). d: the tensors' head dim, computed at configs.hopper_head_dim(d). deterministic: dQ's
@@ -172,7 +172,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = configs.hopper_backward_tiles(d, dropout, softcap)
-    kernel = backward._bwd_kernel_sm90
+    kernel = backward_sm90._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
     const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
                  DEFER_DQ=configs.hopper_backward_defer_dq(d, causal, deterministic),
@@ -188,7 +188,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
         const["Rng"] = None
     if not varlen:
         const.update(CuSeqQ=None, CuSeqK=None, DK=None, DV=None)
-    boxes = backward.sm90_boxes(cfg, d, configs.hopper_backward_dq_by_rows(cfg.block_m, causal, deterministic))
+    boxes = backward_sm90.sm90_boxes(cfg, d, configs.hopper_backward_dq_by_rows(cfg.block_m, causal, deterministic))
     signature = {}
     for n in names:
         if n in const:
@@ -196,10 +196,10 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
         elif n in boxes:
             rows, cols = boxes[n]
             dtype, name = (torch.float32, "fp32") if n == "dq_desc" else (torch.bfloat16, "bf16")
-            layout = forward.tma_box_layout(rows, cols, dtype)
+            layout = host.tma_box_layout(rows, cols, dtype)
             signature[n] = f"tensordesc<{name}[1, {rows}, 1, {cols}],{layout!r}>"
         elif n in ("lse_desc", "delta_desc"):
-            signature[n] = f"tensordesc<fp32[{cfg.block_m}],{backward.ROW_LAYOUT!r}>"
+            signature[n] = f"tensordesc<fp32[{cfg.block_m}],{backward_sm90.ROW_LAYOUT!r}>"
         else:
             signature[n] = ("fp32" if n in ("qk_scale", "softcap", "dk_scale", "dropout_scale") else
                             "*i64" if n == "Rng" else "*i32" if n in ("CuSeqQ", "CuSeqK", "Turns") else
@@ -207,7 +207,7 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
                             "*bf16" if n in ("DK", "DV") else "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, maxnreg=forward.HOPPER_MAXNREG))
+                          options=dict(num_warps=cfg.num_warps, maxnreg=sm90.HOPPER_MAXNREG))
 
 
 def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = False, fused: bool = False,
@@ -365,7 +365,7 @@ def report(argv: list) -> dict:
         result = ptxas_report(compiled)
         # bulk copies from shared memory to global memory (the forward's output rows through the copy engine)
         result["bulk_stores"] = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", compiled.asm["ptx"]))
-        # hardware named barriers of the two consumers (ops._common.named_barrier_sm90): waits, passes
+        # hardware named barriers of the two consumers (ops.sm90.named_barrier_sm90): waits, passes
         result["named_barriers"] = [len(re.findall(r"bar\.sync\s+\S+,\s*256;", compiled.asm["ptx"])),
                                     len(re.findall(r"bar\.arrive\s+\S+,\s*256;", compiled.asm["ptx"]))]
         if "--deterministic" in argv:  # the dQ writer's acquire poll, release count and full bulk wait

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from flashtile.ops import _launch, backward, configs, decode, forward
+from flashtile.ops import _launch, backward, configs, decode, forward, forward_sm90
 
 _BACKEND = None
 _BINDERS: dict = {}
@@ -79,7 +79,7 @@ def recording(as_h100: bool = False):
     saved = [(_launch.Prepared, "__call__", _launch.Prepared.__call__)]
     if as_h100:
         saved += [(configs, "capability", configs.capability), (configs, "on_gpu", configs.on_gpu),
-                  (forward, "tile_counter", forward.tile_counter),
+                  (forward_sm90, "tile_counter", forward_sm90.tile_counter),
                   (decode, "current_stream", decode.current_stream)]
     try:
         _launch.Prepared.__call__ = prepared_call
@@ -87,7 +87,7 @@ def recording(as_h100: bool = False):
             _clear_config_caches()
             configs.capability = lambda device: (9, 0)
             configs.on_gpu = lambda device: True
-            forward.tile_counter = lambda device: torch.zeros(1, dtype=torch.int32, device=device)
+            forward_sm90.tile_counter = lambda device: torch.zeros(1, dtype=torch.int32, device=device)
             decode.current_stream = lambda device: 0
         yield rec
     finally:

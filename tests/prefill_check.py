@@ -12,8 +12,8 @@ import math
 import torch
 
 from flashtile.autograd import by_head, sink_grad
-from flashtile.ops.backward import attention_backward
-from flashtile.ops.forward import attention_forward
+from flashtile.ops.prefill import attention_backward
+from flashtile.ops.prefill import attention_forward
 from flashtile.reference import naive
 from flashtile.reference.dropout import DropoutMask, draw_rng
 from flashtile.testing import assert_2x, poison

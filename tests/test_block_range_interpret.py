@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops._common import block_range, dq_order, dq_turn, key_block_program
+from flashtile.ops.masks import block_range, dq_order, dq_turn
+from flashtile.ops.schedule import key_block_program
 
 pytestmark = pytest.mark.interpret
 
@@ -72,7 +73,7 @@ def _launch_turns_kernel(Turns, Launched, sq, sk, left, right, n_row_blocks, n_r
 
 
 def launch_turns(sq, sk, window, blocks, rows, chunk):
-    """(turns, launched) of _launch_turns_kernel over the grid ops.backward._launch_sm90 launches:
+    """(turns, launched) of _launch_turns_kernel over the grid ops.backward_sm90.plan launches:
     (key blocks, K/V heads, batch) with chunk 1, else a 1D grid; rows = (K/V heads, batch)."""
     bm, bn = blocks
     left, right = window
@@ -109,7 +110,7 @@ def test_dq_turns_count_the_visitors_in_launch_order(sq, sk, window, blocks):
 @pytest.mark.parametrize("rows", [(1, 1), (7, 2)], ids=str)  # (K/V heads, batch)
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_backward_launch_order_follows_the_turns(sq, sk, window, rows, chunk):
-    """The deterministic Hopper backward's grid as ops.backward._launch_sm90 launches it ((key
+    """The deterministic Hopper backward's grid as ops.backward_sm90.plan launches it ((key
     blocks, K/V heads, batch) with one row at a time, a 1D grid in chunks of rows otherwise): every
     (key block, row) once, and at every Q block of every row the visiting key blocks, taken in launch
     order, have the turns 0, 1, ...: each program waits only for programs launched before it (the

@@ -2,8 +2,8 @@
 
 Masked loads and stores of whole rows must stay vectorised when the head dim is a power of two:
 a mask that compared against the runtime head_dim made them 16-bit scalar accesses (192 loads and
-128 stores in the dK/dV kernel at d=128), and fixing that (ops._common.head_dim_mask) was worth
-15-70% of the H100's TFLOP/s (benchmarks/results/h100/NOTES.md).
+128 stores in the dK/dV kernel at d=128), and fixing that (ops.masks.head_dim_mask) was the
+project's largest single gain (docs/changelog.md, "Prefill: the Triton kernels").
 """
 
 import json
@@ -56,8 +56,8 @@ def test_power_of_two_head_dim_loads_and_stores_are_vectorised(kernel):
 def test_uneven_head_dim_multiple_of_16_is_vectorised(kernel, d):
     """Head dims between powers of two (padded to one by masks) compare against HEAD_DIM, a
     constexpr: a multiple of 16 keeps whole 16-byte accesses. Against the runtime head dim the
-    forward at d=96 made 320 16-bit scalar loads and 64 stores and no cp.async (2.8-3.5x slower
-    than the Hopper forward on the H100, prefill_padded_dims.json)."""
+    forward at d=96 made 320 16-bit scalar loads and 64 stores and no cp.async (several times
+    slower than the Hopper forward: docs/tuning.md)."""
     ops = memory_ops(kernel, d)
     assert scalar_16bit(ops) == 0, ops
     assert any(op.endswith(".128") for op in ops), ops
@@ -77,18 +77,17 @@ def test_hopper_forward_compiles_for_sm90(d, causal):
     three at 160 at d=64; loader 24),
     inside the SM's 227 KB of shared memory, and with its wgmmas asynchronous: ptxas serialises
     them all (info C7514) when an accumulator is read while its product may still be in flight,
-    which cost 12-20% of the TFLOP/s on the H100 before the first S got its own wait. Spills: at
-    most 208 bytes, the persistent loop's per-tile scalars (a consumer stores them before a tile's
-    first S and reloads them after it, once per tile; the K/V loop has none); the kernel before
-    the persistent grid had none, and 3-10% less TFLOP/s at d=128 (NOTES.md "Persistent Hopper
-    forward")); 212 at d=128 since the output leaves through the copy engine (the tile's Q buffer,
-    handed back after them, is one more such scalar). Each consumer's output rows go out as one bulk copy from
-    its Q buffer (stores from registers, 4 bytes apiece, measured 6-18% of the forward at 1k on the
-    H200: NOTES.md, thirty-eighth session). At d=128 the two consumers take turns on the tensor
-    cores through named barriers of 256 threads: in the PTX one wait and one pass in each
-    consumer's block loop and the second consumer's first pass (3-4% of the forward at 8k-16k on
-    the H200: NOTES.md, thirty-ninth session); d=64 (three consumers) and d=256 have none, which is
-    also what shows that the count can fail."""
+    which slowed the first kernel until its first S got its own wait (docs/changelog.md, "Prefill
+    forward: the Hopper kernel"). Spills: at most 208 bytes, the persistent loop's per-tile scalars
+    (a consumer stores them before a tile's first S and reloads them after it, once per tile; the
+    K/V loop has none); the kernel before the persistent grid had none, and was slower at d=128
+    (docs/tuning.md); 212 at d=128 since the output leaves through the copy engine (the tile's Q
+    buffer, handed back after them, is one more such scalar). Each consumer's output rows go out as
+    one bulk copy from its Q buffer (stores from registers, 4 bytes apiece, cost the forward most at
+    short lengths: docs/tuning.md). At d=128 the two consumers take turns on the tensor cores
+    through named barriers of 256 threads: in the PTX one wait and one pass in each consumer's block
+    loop and the second consumer's first pass (faster at long lengths: docs/tuning.md); d=64 (three
+    consumers) and d=256 have none, which is also what shows that the count can fail."""
     report = memory_ops("forward-sm90", d, *(["--causal"] if causal else []))
     assert report["spill_bytes"] <= 216, report
     assert report["bulk_stores"] >= 1, report
@@ -99,7 +98,7 @@ def test_hopper_forward_compiles_for_sm90(d, causal):
 
 
 def test_hopper_forward_output_from_registers_without_a_descriptor():
-    """An output the copy engine cannot address (O_TMA off: ops.forward.tma_ok) is stored from
+    """An output the copy engine cannot address (O_TMA off: ops.host.tma_ok) is stored from
     registers: the check above can fail."""
     assert memory_ops("forward-sm90", 128, "--pointer-out")["bulk_stores"] == 0
 
@@ -114,15 +113,15 @@ def test_hopper_backward_compiles_for_sm90(d, causal):
     pair sits in that branch of the SASS, not on the unmasked steps' path; 28 while the chunk of
     the launch order was a constexpr, compiled per length), 40 without the mask,
     whose dQ product waits until the next step (DEFER_DQ: its 32 registers beside S^T, dK and dV;
-    8 bytes with each step ending in its dQ, which measured 1.5-3% slower there); at d=64 at most
-    208, the loop's scalars (S^T and dP^T of a 128-row block take 64 registers each), stored and
-    reloaded once per step around the exponentials: 128-row blocks with them measured 2-9% faster
-    than 64-row blocks without (NOTES.md "Hopper backward: 128-row blocks at d=64"). Where the dQ
+    8 bytes with each step ending in its dQ, which measured slower there: docs/tuning.md); at d=64
+    at most 208, the loop's scalars (S^T and dP^T of a 128-row block take 64 registers each), stored
+    and reloaded once per step around the exponentials: 128-row blocks with them measured faster
+    than 64-row blocks without (docs/tuning.md). Where the dQ
     product waits until the next step (d=64, d=128 without a right bound), the consumers hand each
     other their dS^T through named barriers (a pass after the store, a wait before the product: as
     many of each; not with ALiBi, which spills more with them at d=64), elsewhere through ds_ready's
-    mbarriers (named barriers measured 3% slower at d=128 with each step ending in its dQ: H200
-    NOTES.md, thirty-ninth session)."""
+    mbarriers (named barriers measured slower at d=128 with each step ending in its dQ:
+    docs/tuning.md)."""
     report = memory_ops("backward-sm90", d, *(["--causal"] if causal else []))
     assert report["spill_bytes"] <= {64: 208, 128: 36 if causal else 40, 256: 0}[d], report
     waits, passes = report["named_barriers"]
@@ -156,21 +155,22 @@ def test_hopper_backward_compiles_deterministic(d, causal):
                          ids=["64-full", "128-causal", "64-causal", "128-full", "256-full", "256-causal"])
 @pytest.mark.parametrize("kernel", ["forward-sm90", "backward-sm90"])
 def test_hopper_kernels_compile_with_dropout(kernel, d, causal):
-    """HAS_DROPOUT in both Hopper kernels: the Philox calls lay out so that the keep-mask reaches
-    the wgmma accumulator's layout without moving data (dropout_keep_sm90, dropout_sign_sm90 and
+    """HAS_DROPOUT in both Hopper kernels: the Philox calls lay out so that the keep-mask reaches the
+    wgmma accumulator's layout without moving data (dropout_keep_sm90, dropout_sign_sm90 and
     dropout_apply_sm90 assert their conversions trivial, so this compile fails otherwise), wgmmas
     still asynchronous. Spills: the calls' words per thread beside the tile. The forward carries P
     from block to block in the inputs' dtype with its mask applied (dropout_apply_sm90, which also
     converts P): d=128 28 bytes, 328 causal, stored and reloaded around the step that runs a tile's
-    last P V under the next tile's first softmax (DEFER_PV; the block loop's loads are the 104
-    bytes causal it spilled before; 200 without dropout), d=64 (three consumer warpgroups) 24
-    causal (none before each warpgroup skipped the blocks its rows see nothing of; forward 1.02x
-    at 4k with dropout all the same: H200 NOTES.md, forty-first session), d=256 none. The backward at d=128 120 / 132, loop invariants reloaded in the
-    step (108 / 128 before its keep-mask moved into P's sign bit by integer ops,
-    dropout_sign_sm90; causal 124 before the head-chunked launch order's index arithmetic,
-    configs.hopper_backward_head_chunk; 176 since that chunk is an argument, so that no length
-    compiles another kernel), 156 non-causal with the dQ product deferred to the next step (level
-    in time with 120: H200 NOTES.md, fortieth session); at d=64 with its 64-row dropout blocks none."""
+    last P V under the next tile's first softmax (DEFER_PV; the block loop's loads are the 104 bytes
+    causal it spilled before; 200 without dropout), d=64 (three consumer warpgroups) 24 causal (none
+    before each warpgroup skipped the blocks its rows see nothing of, which was faster with dropout
+    all the same: docs/changelog.md, "Prefill forward: the Hopper kernel"), d=256 none. The backward
+    at d=128 120 / 132, loop invariants reloaded in the step (108 / 128 before its keep-mask moved
+    into P's sign bit by integer ops, dropout_sign_sm90; causal 124 before the head-chunked launch
+    order's index arithmetic, configs.hopper_backward_head_chunk; 176 since that chunk is an
+    argument, so that no length compiles another kernel), 156 non-causal with the dQ product
+    deferred to the next step (level in time with 120: docs/tuning.md); at d=64 with its 64-row
+    dropout blocks none."""
     report = memory_ops(kernel, d, "--dropout", *(["--causal"] if causal else []))
     bound = {"forward-sm90": {64: 24, 128: 328, 256: 0}, "backward-sm90": {64: 0, 128: 176, 256: 8}}[kernel][d]
     assert report["spill_bytes"] <= bound, report
@@ -198,20 +198,19 @@ MODIFIER_SPILLS = {
 def test_hopper_kernels_compile_with_score_modifiers(modifier, kernel, d):
     """HAS_SOFTCAP and HAS_ALIBI in both Hopper kernels (alone, causal, with dropout, packed; ALiBi
     also capped): asynchronous wgmmas, the register split and shared memory of the kernels without
-    them, and no int-to-float conversion per column of a block (alibi_sm90 makes those floats by
-    an integer add; the PTX keeps at most 12, the rows', where one per column made 138 in the d=128
-    ALiBi forward's SASS). With the flags off the SASS of both is the one before them (NOTES.md
-    "Softcap on the Hopper kernels", "ALiBi on the Hopper kernels"). Spills, softcap: the forward
-    within its dense bound (24 bytes at d=256 with dropout, 44 at d=64 with dropout, where it runs
-    two consumer warpgroups); the backward at d=128 196 / 284
-    bytes, causal (156 non-causal before its dQ product waited for the next step), 556 with dropout (the cap's derivative, 32 registers per thread from the
-    exponentials to dV's operand, beside dK, dV and the dP^T in flight), none at d=64, whose
-    softcap steps take 64-row Q blocks (1512 bytes with 128 rows). ALiBi: the forward within 256
-    bytes (216 at d=128 with dropout; 20 at d=256 and 132 at d=64 with dropout, which carries P in
-    bf16), the backward up to 528 at d=64 causal (496 before its dQ was split by rows,
-    configs.hopper_backward_dq_by_rows), whose 128-row Q blocks measured 1.08x the 64-row ones
-    (level causal) in spite of them, and 448 at d=128 capped and causal
-    (432 before the head-chunked launch order)."""
+    them, and no int-to-float conversion per column of a block (alibi_sm90 makes those floats by an
+    integer add; the PTX keeps at most 12, the rows', where one per column made 138 in the d=128
+    ALiBi forward's SASS). With the flags off the SASS of both is the one before them (compared when
+    each flag was added). Spills, softcap: the forward within its dense bound (24 bytes at d=256
+    with dropout, 44 at d=64 with dropout, where it runs two consumer warpgroups); the backward at
+    d=128 196 / 284 bytes, causal (156 non-causal before its dQ product waited for the next step),
+    556 with dropout (the cap's derivative, 32 registers per thread from the exponentials to dV's
+    operand, beside dK, dV and the dP^T in flight), none at d=64, whose softcap steps take 64-row Q
+    blocks (1512 bytes with 128 rows). ALiBi: the forward within 256 bytes (216 at d=128 with
+    dropout; 20 at d=256 and 132 at d=64 with dropout, which carries P in bf16), the backward up to
+    528 at d=64 causal (496 before its dQ was split by rows, configs.hopper_backward_dq_by_rows),
+    whose 128-row Q blocks measured faster than the 64-row ones (level causal) in spite of them
+    (docs/tuning.md), and 448 at d=128 capped and causal (432 before the head-chunked launch order)."""
     extras = [[], ["--causal"], ["--causal", "--dropout"], ["--causal", "--varlen"]]
     for extra in extras + ([["--causal", "--softcap"]] if modifier == "--alibi" else []):
         report = memory_ops(kernel, d, modifier, *extra)
@@ -227,7 +226,7 @@ def test_hopper_kernels_compile_with_score_modifiers(modifier, kernel, d):
 def test_hopper_kernels_compile_for_packed_batches(kernel, d):
     """IS_VARLEN in both Hopper kernels (causal, and with dropout): asynchronous wgmmas, the same
     register split and shared memory as the dense kernels. The dense kernels' SASS does not change
-    with the flag off (its opcodes counted before and after, NOTES.md). Spills: at most the dense
+    with the flag off (its opcodes counted before and after). Spills: at most the dense
     bounds above, except the backward at d=64 (372 bytes causal: the sequence bounds and the
     pointer epilogue's registers beside the 128-row blocks' loop scalars), d=128 causal (120; 204 with
     dropout) and d=256 with dropout (16)."""
@@ -262,7 +261,7 @@ def test_hopper_kernels_compile_at_padded_head_dims(kernel, d, extra):
 def test_hopper_forward_compiles_with_a_sink(d):
     """HAS_SINK in the Hopper forward (the sink folded into l and m before the epilogue): within
     the dense kernel's spill bound, wgmmas asynchronous; with the flag off the SASS is the one
-    before the flag (NOTES.md)."""
+    before the flag (compared when it was added)."""
     report = memory_ops("forward-sm90", d, "--causal", "--sink")
     assert report["spill_bytes"] <= 208, report
     assert not report["wgmma_serialised"], report
@@ -276,7 +275,7 @@ def test_decoding_append_costs_the_loop_nothing(page_size, flag):
     registers: its new rows are written before the KV loop, which stays the plain one. Reading them
     inside the loop instead (a branch per tile, or a second phase of tiles) had cost Triton's
     pipelining: 102 KB of shared memory against 39 KB, or 150-212 registers against 84 at d=128,
-    and +25% device time at Llama-3-8B's decoding shape (benchmarks/results/h100/NOTES.md). Also
+    and slowed the step (docs/changelog.md, "Decoding"). Also
     with the one-page tiles of a launch that splits a 16-token-page cache and the 128-key tiles of
     an unsplit one of one round."""
     flags = (flag,) if flag else ()

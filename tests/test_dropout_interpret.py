@@ -10,8 +10,8 @@ import triton.language as tl
 
 import flashtile
 from flashtile import _checks, api
-from flashtile.ops._common import dropout_keep, dropout_seed
-from flashtile.ops._common import philox2x32 as kernel_philox2x32
+from flashtile.ops.philox import dropout_keep, dropout_seed
+from flashtile.ops.philox import philox2x32 as kernel_philox2x32
 from flashtile.reference.dropout import DropoutMask, draw_rng, philox2x32
 from prefill_check import check_prefill
 from varlen_check import check_varlen
@@ -32,7 +32,7 @@ def _keep_kernel(Rng, Out, bh, row0, col0, threshold, R: tl.constexpr, C: tl.con
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows-keys", "keys-rows"])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_kernel_mask_equals_the_torch_philox(p, transposed):
-    """ops._common.dropout_keep (in the forward's and the dK/dV programs' orientation) and
+    """ops.philox.dropout_keep (in the forward's and the dK/dV programs' orientation) and
     reference.dropout.DropoutMask give the same bits, for tiles at row offsets of any multiple of
     16 and key offsets of any multiple of 32 (16 for key blocks of 16), in any head."""
     rng = draw_rng("cpu")

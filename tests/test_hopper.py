@@ -1,11 +1,11 @@
 """Host side of the Hopper forward on the CPU: which calls the dispatch gives it (configs) and
-which tensors it can address (forward._hopper_supports). The kernel itself: test_codegen.py
+which tensors it can address (forward_sm90.refusal, backward_sm90.refusal). The kernel itself: test_codegen.py
 (compiled for sm_90a here) and test_hopper_cuda.py (on the H100)."""
 
 import pytest
 import torch
 
-from flashtile.ops import configs, forward
+from flashtile.ops import backward_sm90, configs, forward, forward_sm90, prefill
 
 CUDA = torch.device("cuda")
 
@@ -65,27 +65,27 @@ def qkv(b=2, s=256, h=4, d=128):
 
 def test_supports_plain_strided_layouts():
     q, k, v = qkv()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, None)
+    assert forward_sm90.refusal(q, k, v, torch.empty_like(q), 1.0, None, None) is None
     bhsd = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert forward._hopper_supports(bhsd, k, v, torch.empty_like(q), 1.0, None)
+    assert forward_sm90.refusal(bhsd, k, v, torch.empty_like(q), 1.0, None, None) is None
 
 
 def test_refuses_what_tma_cannot_read():
     q, k, v = qkv()
     out = torch.empty_like(q)
     shared_k = k[:1].expand_as(k)  # stride 0 over the batch
-    assert not forward._hopper_supports(q, shared_k, v, out, 1.0, None)
+    assert forward_sm90.refusal(q, shared_k, v, out, 1.0, None, None) is not None
     base = torch.empty(q.numel() + 1, dtype=q.dtype)
     shifted = base[1:].view(q.shape)  # 2 bytes past 16-byte alignment
     assert shifted.data_ptr() % 16 != 0
-    assert not forward._hopper_supports(shifted, k, v, out, 1.0, None)
+    assert forward_sm90.refusal(shifted, k, v, out, 1.0, None, None) is not None
     odd = torch.randn(2, 256, 4, 130, dtype=torch.bfloat16)[..., :128]  # head stride of 260 bytes
-    assert not forward._hopper_supports(q, odd, v, out, 1.0, None)
-    assert not forward._hopper_supports(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, None)
+    assert forward_sm90.refusal(q, odd, v, out, 1.0, None, None) is not None
+    assert forward_sm90.refusal(q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2), 1.0, None, None) is not None
     # a head dim whose rows are not a multiple of 16 bytes (d=100: 200) stays with the Triton kernel;
     # d=40 (80 bytes) is computed at 64 by the Hopper kernels
-    assert not forward._hopper_supports(*qkv(d=100), torch.empty(2, 256, 4, 100, dtype=torch.bfloat16), 1.0, None)
-    assert forward._hopper_supports(*qkv(d=40), torch.empty(2, 256, 4, 40, dtype=torch.bfloat16), 1.0, None)
+    assert forward_sm90.refusal(*qkv(d=100), torch.empty(2, 256, 4, 100, dtype=torch.bfloat16), 1.0, None, None) is not None
+    assert forward_sm90.refusal(*qkv(d=40), torch.empty(2, 256, 4, 40, dtype=torch.bfloat16), 1.0, None, None) is None
 
 
 def packed(paged: bool = False):
@@ -113,14 +113,14 @@ def test_refuses_score_modifiers(modifier):
         q, k, v, varlen = packed(paged=True)
         args["varlen"] = varlen
     args.update({"negative scale": dict(qk_scale=-0.1), "paged varlen": {}}[modifier])
-    assert not forward._hopper_supports(q, k, v, torch.empty_like(q), **args)
+    assert forward_sm90.refusal(q, k, v, torch.empty_like(q), **args, alibi_slopes=None) is not None
 
 
 def test_alibi_positions_the_hopper_kernels_take():
     """ALiBi reaches the Hopper kernels while every position of their blocks is below 2^22
     (alibi_sm90's integer-add conversion); longer sequences keep the Triton kernels
     (test_hopper_cuda.py's test_alibi_longest_keys on the H100)."""
-    from flashtile.ops._common import ALIBI_MAX_POSITION, alibi_fits_sm90
+    from flashtile.ops.mods import ALIBI_MAX_POSITION, alibi_refusal
 
     def qk(rows, keys, packed=False):  # shapes only
         if packed:
@@ -130,13 +130,13 @@ def test_alibi_positions_the_hopper_kernels_take():
     slopes = torch.rand(4)
     limit = ALIBI_MAX_POSITION - 256
     assert ALIBI_MAX_POSITION == 2 ** 22
-    assert alibi_fits_sm90(None, *qk(2 ** 30, 2 ** 30), None)
-    assert alibi_fits_sm90(slopes, *qk(128, limit), None)
-    assert not alibi_fits_sm90(slopes, *qk(128, limit + 1), None)
-    assert not alibi_fits_sm90(slopes, *qk(limit + 1, 128), None)
+    assert alibi_refusal(None, *qk(2 ** 30, 2 ** 30), None) is None
+    assert alibi_refusal(slopes, *qk(128, limit), None) is None
+    assert alibi_refusal(slopes, *qk(128, limit + 1), None) is not None
+    assert alibi_refusal(slopes, *qk(limit + 1, 128), None) is not None
     # a packed batch by its totals, whatever its max_seqlen says
-    assert alibi_fits_sm90(slopes, *qk(limit, 128, packed=True), "varlen")
-    assert not alibi_fits_sm90(slopes, *qk(128, limit + 1, packed=True), "varlen")
+    assert alibi_refusal(slopes, *qk(limit, 128, packed=True), "varlen") is None
+    assert alibi_refusal(slopes, *qk(128, limit + 1, packed=True), "varlen") is not None
 
 
 def test_supports_packed_batches():
@@ -146,13 +146,13 @@ def test_supports_packed_batches():
     from flashtile.ops import backward
 
     q, k, v, varlen = packed()
-    assert forward._hopper_supports(q, k, v, torch.empty_like(q), 1.0, varlen)
-    assert backward._hopper_supports(q, k, v, torch.randn_like(q), torch.empty_like(k), torch.empty_like(v), 0.1,
-                                     varlen)
+    assert forward_sm90.refusal(q, k, v, torch.empty_like(q), 1.0, varlen, None) is None
+    assert backward_sm90.refusal(q, k, v, torch.randn_like(q), None, torch.empty_like(k), torch.empty_like(v), 0.1,
+                                 varlen, None, False) is None
 
 
 # ---------------------------------------------------------------------------------------------
-# The Hopper backward (ops.backward._bwd_kernel_sm90): dispatch, what it takes, and that asking
+# The Hopper backward (ops.backward_sm90._bwd_kernel_sm90): dispatch, what it takes, and that asking
 # for a deterministic backward reaches it.
 # ---------------------------------------------------------------------------------------------
 
@@ -232,7 +232,10 @@ def test_backward_supports(refused):
         dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
     elif refused != "none":
         args["softmax_scale"] = -0.1
-    assert backward._hopper_supports(q, k, v, dout, dk, dv, **args) == (refused == "none")
+    why = backward_sm90.refusal(q, k, v, dout, None, dk, dv, **args, alibi_slopes=None, accumulate_dq=False)
+    assert (why is None) == (refused == "none")
+    if refused in ("expanded k", "misaligned dk"):  # the reason names the tensor
+        assert f"TMA cannot address {refused.split()[1]}" in why
 
 
 @pytest.mark.parametrize("d", [16, 256])
@@ -248,11 +251,11 @@ def test_deterministic_reaches_the_hopper_backward(monkeypatch, how, d):
     class Launched(Exception):
         pass
 
-    def record(*args, deterministic, **kwargs):
+    def record(env, cfg, softmax_scale, window, softcap, varlen, dropout, accumulate_dq, deterministic, zero_grads):
         raise Launched(deterministic)
 
     monkeypatch.setattr(configs, "hopper_backward_config", lambda d, *a, **kw: configs.hopper_backward_tiles(d))
-    monkeypatch.setattr(backward, "_launch_sm90", record)
+    monkeypatch.setattr(backward_sm90, "plan", record)
     q, k, v = (torch.randn(1, 40, 2, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
     if how == "torch.use_deterministic_algorithms":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
@@ -293,19 +296,19 @@ def test_hopper_plans_bind_the_kernels_arguments(sm90, monkeypatch, extras, d):
 
     monkeypatch.setattr(configs, "on_gpu", lambda device: True)
     monkeypatch.setattr(configs, "hopper_forward_config", lambda d, *a, **kw: configs.hopper_forward_tiles(d))
-    monkeypatch.setattr(forward, "tile_counter", lambda device: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(forward_sm90, "tile_counter", lambda device: torch.zeros(1, dtype=torch.int32))
     q, k, v = qkv(b=2, s=256, h=4, d=d)
     out, lse, dout = torch.empty_like(q), torch.empty(2, 4, 256), torch.randn_like(q)
     dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty(2, 4, 256)
     plain = extras == "plain"
     dropout = None if plain else (0.1, draw_rng(torch.device("cpu")))
     slopes, sink, softcap = (None, None, 0.0) if plain else (torch.rand(4), torch.zeros(4), 30.0)
-    env = forward.call_tensors(q, k, v, out, lse, slopes, None, dropout, sink)
-    fwd = forward._plan(env, 0.1, (None, 0), softcap, None, dropout)
-    bwd_env = backward.call_tensors(dout, q, k, v, out, lse, dq, dk, dv, delta, slopes, None, dropout)
-    bwd = backward._plan(bwd_env, 0.1, (None, 0), softcap, None, dropout, False, False)
+    env = prefill.forward_tensors(q, k, v, out, lse, slopes, None, dropout, sink)
+    fwd = prefill._forward_plan(env, 0.1, (None, 0), softcap, None, dropout)
+    bwd_env = prefill.backward_tensors(dout, q, k, v, out, lse, dq, dk, dv, delta, slopes, None, dropout)
+    bwd = prefill._backward_plan(bwd_env, 0.1, (None, 0), softcap, None, dropout, False, False)
     launches = [(fwd, env), (bwd.launches[1], bwd_env)]
-    assert [p.launch.kernel for p, _ in launches] == [forward._fwd_kernel_sm90, backward._bwd_kernel_sm90]
+    assert [p.launch.kernel for p, _ in launches] == [forward_sm90._fwd_kernel_sm90, backward_sm90._bwd_kernel_sm90]
     for plan, call in launches:
         kernel, prepared = plan.launch.kernel, plan.launch
         tensors = tuple(None if s is None else call[s] if type(s) is int else s[0](call[s[1]], *s[2:])
@@ -322,7 +325,7 @@ def test_hopper_plans_bind_the_kernels_arguments(sm90, monkeypatch, extras, d):
         assert len(descriptors) == sum(n.endswith("_desc") for n in runtime)
     consumers = fwd.launch.constexprs["CONSUMERS"]
     assert consumers == (3 if d == 64 else 2)
-    assert fwd.launch.options["maxnreg"] == forward.hopper_forward_maxnreg(consumers)
+    assert fwd.launch.options["maxnreg"] == forward_sm90.hopper_forward_maxnreg(consumers)
 
 
 @pytest.mark.interpret
@@ -341,7 +344,7 @@ def test_hopper_backward_plan_runs_its_delta_launch(sm90, monkeypatch, packed):
     real = _launch.Prepared.__call__
 
     def call(self, tensors, scalars, stream=None, key=None):
-        if self.kernel is backward._bwd_kernel_sm90:
+        if self.kernel is backward_sm90._bwd_kernel_sm90:
             caught.append(tensors)
         else:
             real(self, tensors, scalars, stream, key)
@@ -365,9 +368,9 @@ def test_hopper_backward_plan_runs_its_delta_launch(sm90, monkeypatch, packed):
         varlen, lse = None, torch.randn(2, h, 129)
     lse[..., 3] = float("-inf")  # a row that saw no key
     delta = torch.full_like(lse, float("nan"))
-    dq, dk, dv = backward.attention_backward(dout, q, k, v, out, lse, 0.125, (None, 0), delta=delta, varlen=varlen)
+    dq, dk, dv = prefill.attention_backward(dout, q, k, v, out, lse, 0.125, (None, 0), delta=delta, varlen=varlen)
     (tensors,) = caught
-    names = [p.name for p in backward._bwd_kernel_sm90.params][:len(tensors)]
+    names = [p.name for p in backward_sm90._bwd_kernel_sm90.params][:len(tensors)]
     got = dict(zip(names, tensors))
     lse2, delta2, dq_acc = got["lse_desc"].base, got["delta_desc"].base, got["dq_desc"].base
     assert dq_acc.shape == q.shape and dq_acc.dtype == torch.float32 and torch.equal(dq_acc, torch.zeros_like(dq_acc))

@@ -1,9 +1,9 @@
-"""The Gluon Hopper kernels on an H100. The forward (ops.forward._fwd_kernel_sm90): the prefill
+"""The Gluon Hopper kernels on an H100. The forward (ops.forward_sm90._fwd_kernel_sm90): the prefill
 grid against the float64 oracle with the 2x rule, forced on for every case (the dispatch gives every
 length to it, but a capped causal d=64 to the Triton kernel), the layouts it takes and
 the ones it leaves to the Triton kernel, and CUDA-graph replay; its determinism under 50 reruns is
 test_prefill_cuda's test_backward_is_reproducible (d=128 takes this kernel there). The backward
-(ops.backward._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, dQ added
+(ops.backward_sm90._bwd_kernel_sm90), below: the grid, windows, layouts, the sink's delta, dQ added
 into the caller's buffer, reruns and CUDA-graph replay."""
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 
 from flashtile._checks import Varlen
 from flashtile.bench.harness import capture
-from flashtile.ops import backward, configs, forward
+from flashtile.ops import _launch, backward, backward_sm90, configs, forward, forward_sm90, prefill
 from flashtile.reference.dropout import DropoutMask, draw_rng
 from prefill_check import check_dq_accumulates, check_past_65535_heads, check_prefill, make_qkv
 from varlen_check import check_varlen
@@ -30,7 +30,7 @@ def hopper_launches(monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels need sm_90")
     monkeypatch.setattr(configs, "hopper_forward_config", lambda d, *a, **kw: configs.hopper_forward_tiles(d))
-    return kernel_launches(monkeypatch, forward._fwd_kernel_sm90)
+    return kernel_launches(monkeypatch, forward_sm90._fwd_kernel_sm90)
 
 
 def kernel_launches(monkeypatch, kernel) -> list:
@@ -84,7 +84,7 @@ def test_few_programs_many_tiles(hopper_launches, monkeypatch, case):
     for _ in range(2):
         check_prefill(2, *case["lengths"], 4, 2, 128, torch.bfloat16, "cuda", causal=case.get("causal", False),
                       window=case.get("window", (-1, -1)), dropout_p=case.get("dropout_p", 0.0), backward=False)
-        assert forward.tile_counter(torch.device("cuda")).item() == 0
+        assert forward_sm90.tile_counter(torch.device("cuda")).item() == 0
     assert hopper_launches
 
 
@@ -122,8 +122,8 @@ def test_strided_out(hopper_launches):
     """out a view into a wider buffer: the epilogue's pointer stores take its strides."""
     q, k, v = make_qkv(2, 600, 600, 4, 2, 128, torch.bfloat16, "cuda")
     wide = torch.full((2, 600, 4, 256), float("nan"), dtype=q.dtype, device="cuda")
-    out, lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0), out=wide[..., 64:192])
-    ref, ref_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
+    out, lse = prefill.attention_forward(q, k, v, 128 ** -0.5, (None, 0), out=wide[..., 64:192])
+    ref, ref_lse = prefill.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     assert wide[..., :64].isnan().all() and wide[..., 192:].isnan().all()
 
@@ -132,7 +132,7 @@ def test_negative_scale_runs_the_triton_kernel(hopper_launches):
     """A negative softmax_scale (accepted by the API) would turn its raw-product row max into the
     row min: it goes to the Triton kernel, which scales before the max."""
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, "cuda")
-    out, lse = forward.attention_forward(q, k, v, -0.1, (None, 0))
+    out, lse = prefill.attention_forward(q, k, v, -0.1, (None, 0))
     assert not hopper_launches and torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
@@ -154,13 +154,13 @@ def test_what_tma_cannot_address_runs_the_triton_kernel(hopper_launches):
     q, k, v = make_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16, "cuda")
     base = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
     shifted = base[1:].view(q.shape).copy_(q)
-    out, lse = forward.attention_forward(shifted, k, v, 128 ** -0.5, (None, 0))
-    ref, ref_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
+    out, lse = prefill.attention_forward(shifted, k, v, 128 ** -0.5, (None, 0))
+    ref, ref_lse = prefill.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
     assert len(hopper_launches) == 1  # the aligned call only
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
     shared_k = k[:1].expand_as(k)
-    out, lse = forward.attention_forward(q, shared_k, v, 128 ** -0.5, (None, 0))
-    ref, ref_lse = forward.attention_forward(q, shared_k.contiguous(), v, 128 ** -0.5, (None, 0))
+    out, lse = prefill.attention_forward(q, shared_k, v, 128 ** -0.5, (None, 0))
+    ref, ref_lse = prefill.attention_forward(q, shared_k.contiguous(), v, 128 ** -0.5, (None, 0))
     assert len(hopper_launches) == 2  # the contiguous copy only
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
 
@@ -169,17 +169,17 @@ def test_cuda_graph(hopper_launches):
     """Captured once, replayed on new inputs written into the captured buffers: bitwise equal to
     eager calls (the descriptors are kernel parameters, so the graph keeps the buffers' addresses)."""
     q, k, v = make_qkv(2, 2048, 2048, 8, 2, 128, torch.bfloat16, "cuda")
-    graph, (out, lse) = capture(lambda: forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0)))
+    graph, (out, lse) = capture(lambda: prefill.attention_forward(q, k, v, 128 ** -0.5, (None, 0)))
     for _ in range(3):
         for t in (q, k, v):
             t.copy_(torch.randn_like(t))
         graph.replay()
-        eager_out, eager_lse = forward.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
+        eager_out, eager_lse = prefill.attention_forward(q, k, v, 128 ** -0.5, (None, 0))
         assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
 
 
 # ---------------------------------------------------------------------------------------------
-# The Gluon Hopper backward (ops.backward._bwd_kernel_sm90), forced on for every case it takes.
+# The Gluon Hopper backward (ops.backward_sm90._bwd_kernel_sm90), forced on for every case it takes.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -190,7 +190,7 @@ def hopper_backward_launches(monkeypatch):
         pytest.skip("the Hopper kernels need sm_90")
     monkeypatch.setattr(configs, "hopper_backward_config",
                         lambda d, *a, dropout=False, softcap=False, **kw: configs.hopper_backward_tiles(d, dropout, softcap))
-    return kernel_launches(monkeypatch, backward._bwd_kernel_sm90)
+    return kernel_launches(monkeypatch, backward_sm90._bwd_kernel_sm90)
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
@@ -261,8 +261,8 @@ def test_backward_adds_dq_into_a_float32_buffer(hopper_backward_launches, causal
 
 
 def _grads(q, k, v, dout, window, **kw):
-    out, lse = forward.attention_forward(q, k, v, q.shape[-1] ** -0.5, window)
-    return backward.attention_backward(dout, q, k, v, out, lse, q.shape[-1] ** -0.5, window, **kw)
+    out, lse = prefill.attention_forward(q, k, v, q.shape[-1] ** -0.5, window)
+    return prefill.attention_backward(dout, q, k, v, out, lse, q.shape[-1] ** -0.5, window, **kw)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
@@ -287,7 +287,7 @@ def test_backward_reruns(hopper_backward_launches, d):
 @pytest.fixture
 def deterministic_launches(hopper_backward_launches, monkeypatch):
     """As hopper_backward_launches, every launch asked for dQ's additions in their fixed order."""
-    launch = backward._launch_sm90
+    launch = backward_sm90.plan
     monkeypatch.setattr(backward, "_launch_sm90", lambda *a, **kw: launch(*a, **{**kw, "deterministic": True}))
     return hopper_backward_launches
 
@@ -435,10 +435,10 @@ def test_padded_head_dims_write_nothing_past_d(hopper_launches, hopper_backward_
         return buf, buf[..., 8:8 + d]
 
     (out_buf, out), (dq_buf, dq), (dk_buf, dk), (dv_buf, dv) = map(wide_view, (q, q, k, v))
-    out, lse = forward.attention_forward(q, k, v, scale, window, out=out, varlen=varlen)
-    backward.attention_backward(dout, q, k, v, out, lse, scale, window, dq=dq, dk=dk, dv=dv, varlen=varlen)
-    ref_out, ref_lse = forward.attention_forward(q, k, v, scale, window, varlen=varlen)
-    ref = backward.attention_backward(dout, q, k, v, ref_out, ref_lse, scale, window, varlen=varlen)
+    out, lse = prefill.attention_forward(q, k, v, scale, window, out=out, varlen=varlen)
+    prefill.attention_backward(dout, q, k, v, out, lse, scale, window, dq=dq, dk=dk, dv=dv, varlen=varlen)
+    ref_out, ref_lse = prefill.attention_forward(q, k, v, scale, window, varlen=varlen)
+    ref = prefill.attention_backward(dout, q, k, v, ref_out, ref_lse, scale, window, varlen=varlen)
     assert torch.equal(out, ref_out)
     for buf, view, r in ((dq_buf, dq, ref[0]), (dk_buf, dk, ref[1]), (dv_buf, dv, ref[2])):
         torch.testing.assert_close(view, r, atol=2e-3, rtol=1e-2)  # dQ: the sum order varies
@@ -481,7 +481,7 @@ def test_dropout_mask_at_every_threshold(hopper_launches, d, dtype, p):
     k = torch.zeros(b, sk, hk, d, dtype=dtype, device="cuda")
     v = torch.eye(sk, d, dtype=dtype, device="cuda").expand(b, hk, sk, d).transpose(1, 2).contiguous()
     rng = draw_rng("cuda")
-    out, _ = forward.attention_forward(q, k, v, d ** -0.5, (None, None), dropout=(p, rng))
+    out, _ = prefill.attention_forward(q, k, v, d ** -0.5, (None, None), dropout=(p, rng))
     assert hopper_launches
     mask = DropoutMask(p, rng, h, range(b))
     keep = mask.keep(0, sq, 0, sk, "cuda").transpose(1, 2)  # (b, sq, h, sk)
@@ -511,13 +511,13 @@ def test_dropout_across_kernels(hopper_launches, hopper_backward_launches, monke
     dout = torch.randn_like(q)
     dropout = (p, draw_rng("cuda"))
     scale = d ** -0.5
-    out, lse = forward.attention_forward(q, k, v, scale, (None, 0), dropout=dropout)
+    out, lse = prefill.attention_forward(q, k, v, scale, (None, 0), dropout=dropout)
     assert hopper_launches
     with monkeypatch.context() as m:
         m.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
-        triton_grads = backward.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout)
+        triton_grads = prefill.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout)
     assert not hopper_backward_launches
-    hopper_grads = backward.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout)
+    hopper_grads = prefill.attention_backward(dout, q, k, v, out, lse, scale, (None, 0), dropout=dropout)
     assert hopper_backward_launches
     for a, b in zip(hopper_grads, triton_grads):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
@@ -586,10 +586,10 @@ def test_row_sums_of_4m_keys(hopper_launches, monkeypatch, d):
     they came out 2.4% low here (LSE 2.4e-2 below), so each block's product starts from zero and
     is added in registers."""
     q, k, v = make_qkv(1, 128, 2 ** 22, 2, 1, d, torch.bfloat16, "cuda")
-    out, lse = forward.attention_forward(q, k, v, 0.1, (None, 0))
+    out, lse = prefill.attention_forward(q, k, v, 0.1, (None, 0))
     assert hopper_launches
     monkeypatch.setattr(configs, "hopper_forward_config", lambda *a, **kw: None)
-    ref_out, ref_lse = forward.attention_forward(q, k, v, 0.1, (None, 0))
+    ref_out, ref_lse = prefill.attention_forward(q, k, v, 0.1, (None, 0))
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
     torch.testing.assert_close(out, ref_out, atol=1e-3, rtol=0)
 
@@ -599,22 +599,22 @@ def test_alibi_longest_keys(hopper_launches, hopper_backward_launches, monkeypat
     by an integer add): output, LSE and gradients against the Triton kernels' (exact integer
     positions to 2^24), slopes small enough that the farthest keys still count; one key more and
     both calls keep the Triton kernels."""
-    from flashtile.ops._common import ALIBI_MAX_POSITION
+    from flashtile.ops.mods import ALIBI_MAX_POSITION
 
     slopes = torch.tensor([1e-6, 3e-6], device="cuda")
     for sk, hopper in ((ALIBI_MAX_POSITION - 256, True), (ALIBI_MAX_POSITION - 255, False)):
         q, k, v = make_qkv(1, 128, sk, 2, 1, 128, torch.bfloat16, "cuda")
         dout = torch.randn_like(q)
         launches = len(hopper_launches), len(hopper_backward_launches)
-        out, lse = forward.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=slopes)
-        grads = backward.attention_backward(dout, q, k, v, out, lse, 0.1, (None, 0), alibi_slopes=slopes)
+        out, lse = prefill.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=slopes)
+        grads = prefill.attention_backward(dout, q, k, v, out, lse, 0.1, (None, 0), alibi_slopes=slopes)
         assert (len(hopper_launches) > launches[0], len(hopper_backward_launches) > launches[1]) == (hopper, hopper)
         if hopper:
             with monkeypatch.context() as m:
                 m.setattr(configs, "hopper_forward_config", lambda *a, **kw: None)
                 m.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
-                ref_out, ref_lse = forward.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=slopes)
-                ref_grads = backward.attention_backward(dout, q, k, v, ref_out, ref_lse, 0.1, (None, 0),
+                ref_out, ref_lse = prefill.attention_forward(q, k, v, 0.1, (None, 0), alibi_slopes=slopes)
+                ref_grads = prefill.attention_backward(dout, q, k, v, ref_out, ref_lse, 0.1, (None, 0),
                                                         alibi_slopes=slopes)
             torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=0)
             torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)

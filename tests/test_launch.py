@@ -199,7 +199,7 @@ def test_a_hit_passes_tensors_as_addresses_and_boxes_as_they_are(kernel):
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
-    from flashtile.ops.forward import tma_box_layout
+    from flashtile.ops.host import tma_box_layout
 
     base = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
     layout = tma_box_layout(16, 64, torch.float16)

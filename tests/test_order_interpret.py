@@ -1,4 +1,4 @@
-"""The orders in which the kernels walk their programs or tiles (ops._common.chunked_order and
+"""The orders in which the kernels walk their programs or tiles (ops.schedule.chunked_order and
 head_chunked_order, the Hopper kernels' chunks of heads under a right-bounded mask): every
 (program, head) pair once, in the order their docstrings give."""
 
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops._common import chunked_order, head_chunked_order
+from flashtile.ops.schedule import chunked_order, head_chunked_order
 
 pytestmark = pytest.mark.interpret
 

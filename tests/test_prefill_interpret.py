@@ -82,7 +82,7 @@ def test_backward_adds_dq_into_a_float32_buffer(causal, dtype):
 
 
 def test_accumulate_dq_needs_a_float32_buffer_shaped_like_q():
-    from flashtile.ops.backward import attention_backward
+    from flashtile.ops.prefill import attention_backward
 
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match=r"accumulate_dq needs dq: a float32 tensor shaped like q \(1, 8, 2, 16\), "

@@ -1,8 +1,8 @@
-"""Which layouts the backward hands to TMA descriptors (ops.backward.tma_ok); the rest use pointers."""
+"""Which layouts the backward hands to TMA descriptors (ops.host.tma_ok); the rest use pointers."""
 
 import torch
 
-from flashtile.ops.backward import tma_ok
+from flashtile.ops.host import tma_ok
 
 
 def test_tma_layouts():

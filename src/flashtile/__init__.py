@@ -6,6 +6,7 @@ Re-exports only. Importing flashtile does not import triton: the kernels load on
 from flashtile._checks import ArgumentError
 from flashtile.api import (
     DecodePlan,
+    explain,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,

@@ -229,7 +229,7 @@ def dropout_threshold(dropout_p: float) -> tuple[int, float]:
     draws 8 bits per score; p = 0.1 drops 26 / 256 = 0.1016 of the scores). Kept scores are scaled
     by 256 / (256 - threshold), which makes the output's expectation the no-dropout output
     exactly. Eight bits rather than sixteen halve the Philox calls per score, which is most of
-    dropout's cost in the kernels (ops._common.dropout_keep).
+    dropout's cost in the kernels (ops.philox.dropout_keep).
     """
     threshold = min(max(round(dropout_p * 256), 1 if dropout_p > 0 else 0), 255)
     return threshold, 256.0 / (256 - threshold)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import os
+
+from typing import NamedTuple
 
 import torch
 
 from flashtile import _checks, autograd
+from flashtile.ops import dispatch
 from flashtile._checks import ArgumentError
 
 _BACKENDS = ("auto", "triton", "reference")
@@ -44,24 +46,62 @@ def _device_guard(t: torch.Tensor):
 
 
 def interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return dispatch.interpreter_on()
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """"triton" or "reference" for a tensor on t.device, by the dispatch rule above."""
-    if _forced == "reference":
-        return "reference"
-    triton_ok = t.is_cuda or (t.device.type == "cpu" and interpreter_on())
-    if _forced == "triton" and not triton_ok:
+    """"triton" (the kernels, compiled or interpreted) or "reference" for a tensor on t.device, by
+    ops.dispatch.backend's rule."""
+    choice = dispatch.backend(t.device.type, _forced, interpreter_on())
+    if _forced == "triton" and choice.kernel == "reference":
         raise RuntimeError(
             f"use_backend('triton') needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
             f"imported for CPU tensors; got a tensor on {t.device}")
-    if triton_ok and not t.is_cuda and t.dtype == torch.bfloat16:
+    if choice.kernel == "interpreter" and t.dtype == torch.bfloat16:
         raise TypeError(
             "bfloat16 inputs on the CPU under the Triton interpreter (TRITON_INTERPRET=1): triton 3.6's "
             "interpreter computes bfloat16 wrongly; use float16 or float32 there, or "
             "flashtile.use_backend('reference')")
-    return "triton" if triton_ok else "reference"
+    return "reference" if choice.kernel == "reference" else "triton"
+
+
+class Explanation(NamedTuple):
+    """The kernels a call runs, forward and backward, each an ops.dispatch.Choice (kernel, reason,
+    and why each faster kernel was refused)."""
+
+    forward: dispatch.Choice
+    backward: dispatch.Choice
+
+    def __str__(self) -> str:
+        return f"forward: {self.forward}\nbackward: {self.backward}"
+
+
+def explain(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None, deterministic=False) -> Explanation:
+    """Which kernel flash_attn_func(q, k, v, ...) with these arguments runs, forward and backward,
+    and why a faster one was refused; nothing runs. The backward's answer assumes a gradient laid
+    out like q (an expanded one, as out.sum() gives, takes the pointer path). Setting
+    FLASHTILE_EXPLAIN=1 prints the same for every new call shape as it is planned.
+
+        >>> print(flashtile.explain(q, k, v, causal=True))
+        forward: hopper: sm_90, bfloat16, head dim 128
+        backward: hopper: sm_90, bfloat16, head dim 128
+    """
+    scale, window, softcap, dropout_p = _check_common(q, k, v, softmax_scale, causal, window_size, softcap,
+                                                      alibi_slopes, dropout_p)
+    backend = dispatch.backend(q.device.type, _forced, interpreter_on())
+    if backend.kernel == "reference":
+        return Explanation(backend, backend)
+    from flashtile.ops import prefill
+
+    dropout = (dropout_p, None) if dropout_p > 0 else None
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    forward, _ = prefill.forward_choice(q, k, v, torch.empty_like(q), scale, window, softcap, alibi_slopes, None,
+                                        dropout)
+    backward, _ = prefill.backward_choice(torch.empty_like(q), q, k, v, None, torch.empty_like(k),
+                                          torch.empty_like(v), scale, window, softcap, alibi_slopes, None, dropout,
+                                          deterministic, False)
+    return Explanation(forward, backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,7 +116,7 @@ def _attention(q, k, v, softmax_scale, window, softcap, alibi_slopes, dropout_p=
     """Checked inputs and a (left, right) window with None = unbounded -> (out, lse).
 
     deterministic (or torch.use_deterministic_algorithms(True)) asks for a bitwise reproducible
-    backward (ops.backward.attention_backward).
+    backward (ops.prefill.attention_backward).
 
     Dropout draws its Philox seed from torch's generator of q's device here (so torch.manual_seed
     reproduces a run; reference.dropout.draw_rng). A paged k/v that needs gradients is gathered

@@ -45,7 +45,7 @@ def _forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_s
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)
     dropout = (dropout_p, rng) if dropout_p > 0 else None
     if backend == "triton":
-        from flashtile.ops.forward import attention_forward
+        from flashtile.ops.prefill import attention_forward
 
         return attention_forward(q, k, v, softmax_scale, (window_left, window_right), softcap, alibi_slopes,
                                  varlen=varlen, dropout=dropout, sink=sink)
@@ -89,14 +89,14 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_r
                    alibi_slopes, dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    seqused_k, backend, sink=None, deterministic=False, dq_acc=None):
     """(dq, dk, dv, dsink): dsink None without a sink. deterministic: bitwise reproducible
-    gradients (ops.backward.attention_backward; the reference path always is). dq_acc: a float32
+    gradients (ops.prefill.attention_backward; the reference path always is). dq_acc: a float32
     tensor shaped like q that dQ / softmax_scale is added into (then dq is dq_acc), as ring
     attention sums its pieces' (attention_backward's accumulate_dq)."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, None)
     dropout = (dropout_p, rng) if dropout_p > 0 else None
     delta = None
     if backend == "triton":
-        from flashtile.ops.backward import attention_backward
+        from flashtile.ops.prefill import attention_backward
 
         delta = None if sink is None else torch.empty_like(lse)
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right),

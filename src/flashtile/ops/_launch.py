@@ -62,7 +62,7 @@ class Box:
     the checked descriptor for Triton's path; the compiled launcher takes the Box as it is (it reads
     base, shape, strides and padding). Each launch site builds its Boxes from tensors that the real
     descriptor accepts for the first call with that key (16-byte aligned base and strides, a
-    contiguous last dimension: ops.forward.tma_ok), and `key` (dtype, block shape, layout) is what
+    contiguous last dimension: ops.host.tma_ok), and `key` (dtype, block shape, layout) is what
     Triton specialises a descriptor on."""
 
     __slots__ = ("base", "shape", "strides", "block_shape", "layout", "key")

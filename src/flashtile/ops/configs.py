@@ -65,7 +65,7 @@ def forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: boo
 
 def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
                           softcap: bool = False) -> BlockConfig | None:
-    """Tiles for the Hopper forward (ops.forward._fwd_kernel_sm90), or None (the Triton kernel runs),
+    """Tiles for the Hopper forward (ops.forward_sm90._fwd_kernel_sm90), or None (the Triton kernel runs),
     by head dim, dtype and flags only: no length picks the kernel or its tiles, so after one call
     no other length, batch or packed batch compiles anything (tests/test_recompile.py). block_m
     rows, 64 per consumer warpgroup of num_warps = 4 (hopper_forward_consumers; the other consumers
@@ -83,8 +83,8 @@ def hopper_forward_config(d: int, dtype: torch.dtype, device: torch.device, caus
 
 
 HOPPER_HEAD_DIMS = (64, 128, 256)
-# Head dims up to this one keep the Triton kernels: d=32 computed at 64 measured forward 0.89-1.07x,
-# backward 0.86-0.99x the Triton kernels' unmasked 32-column tiles (NOTES.md "Head dims between").
+# Head dims up to this one keep the Triton kernels: their unmasked 32-column tiles measured as fast as
+# the Hopper kernels computing d=32 at 64, or faster (docs/tuning.md)
 HOPPER_MAX_TRITON_HEAD_DIM = 32
 
 
@@ -97,26 +97,37 @@ def hopper_head_dim(d: int) -> int | None:
 
 
 def hopper_takes(d: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the Hopper kernels may take head dim d in dtype on device (the dispatches add their
-    lengths): fp16 / bf16 on sm_90, 32 < d <= 256. At the dims between 64, 128 and 256 the Hopper
-    kernels computing at the next of those dims measured 2.3-3.9x the Triton kernels' forward and
-    1.3-3.6x their backward, causal or not, 1k-16k (d = 40-224; NOTES.md "Head dims between"),
-    whose masked tiles then made scalar 16-bit accesses; so there the lengths below which d = 64
-    and 256 keep the Triton kernel don't apply. Since the Triton kernels take the head dim as a
-    constexpr, their accesses at multiples of 16 are 16 bytes wide (at other multiples of 8 the
-    head stride, d itself, still makes them scalar); against those, side by side on the H100
-    (prefill_padded_dims.json), the Hopper kernels measured forward 1.09-1.50x and backward
-    1.19-2.19x at d = 48-224, 1k-16k, causal or not, where they run. d=48 runs the d=64 Triton tiles whole, so
-    hopper_forward_config keeps d=64's cuts for it."""
-    return (on_gpu(device) and dtype in (torch.float16, torch.bfloat16)
-            and HOPPER_MAX_TRITON_HEAD_DIM < d <= HOPPER_HEAD_DIMS[-1] and capability(device) == (9, 0))
+    """Whether the Hopper kernels may take head dim d in dtype on device (hopper_forward_config and
+    hopper_backward_config add their flags): fp16 / bf16 on sm_90, 32 < d <= 256. At the dims
+    between 64, 128 and 256 they compute at the next of those dims (hopper_head_dim) and measured
+    faster than the Triton kernels at every length and mask, also since the Triton kernels take
+    the head dim as a constexpr: their accesses are then 16 bytes wide at multiples of 16, while at
+    other multiples of 8 the head stride, d itself, still makes them scalar (docs/tuning.md).
+    d=48 runs the d=64 Triton tiles whole, so hopper_forward_config keeps d=64's cuts for it."""
+    return hopper_refusal(d, dtype, device) is None
+
+
+def hopper_refusal(d: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the Hopper kernels may not take head dim d in dtype on device (hopper_takes' rule, in
+    words for ops.dispatch), or None where they may."""
+    if not on_gpu(device):
+        return f"needs a CUDA device, not {device.type}"
+    if capability(device) != (9, 0):
+        return "needs sm_90 (this GPU is sm_{}{})".format(*capability(device))
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"takes float16 and bfloat16, not {str(dtype).replace('torch.', '')}"
+    if d > HOPPER_HEAD_DIMS[-1]:
+        return f"takes head dims up to {HOPPER_HEAD_DIMS[-1]}, not {d}"
+    if d <= HOPPER_MAX_TRITON_HEAD_DIM:
+        return f"head dim {d} <= {HOPPER_MAX_TRITON_HEAD_DIM} runs faster on the Triton kernels (docs/tuning.md)"
+    return None
 
 
 def hopper_forward_tiles(d: int) -> BlockConfig:
     """The Hopper forward's tiles at head dim d (computed at hopper_head_dim(d): 64, 128 or 256),
     block_m = 64 rows per consumer warpgroup (hopper_forward_consumers). 256 takes 64-key blocks:
-    its 128-key ones would not fit shared memory beside Q; (128, 32, 4, 3) measured 418-520
-    TFLOP/s against (128, 64, 4, 2)'s 487-662 in one sweep (NOTES.md "Hopper forward")."""
+    its 128-key ones would not fit shared memory beside Q, and 32-key ones measured slower
+    (docs/tuning.md)."""
     d = hopper_head_dim(d)
     return BlockConfig(128, 64, 4, 2) if d == 256 else BlockConfig(64 * hopper_forward_consumers(d), 128, 4, 2)
 
@@ -142,17 +153,14 @@ def l2_head_chunk(bytes_per_head: int, device: torch.device) -> int:
 @functools.lru_cache(maxsize=1024)
 def hopper_forward_head_chunk(d: int, seqlen_k: int, group: int, causal: bool, device: torch.device) -> int:
     """Query heads (rows b * h + head) whose tiles the Hopper forward takes interleaved
-    (ops._common.chunked_order): the last row block of each head of a chunk first (under a right
+    (ops.schedule.chunked_order): the last row block of each head of a chunk first (under a right
     bound it sees the most keys), then the one before it of each, and so on. One head at a time
     (1), the launch order before, starts the last heads' longest tiles last and leaves SMs idle at
     the end. The chunk is the most query heads, a power of two, whose K and V (shared by `group`
     query heads) fit the L2 cache together (FlashAttention-4's causal sm_90 forward orders its
     tiles so). causal: the keys have a right bound (a causal mask, a window's right side); without
-    one every tile of a head is as long, and the order stays. Measured (ab_fwd_head_chunk.txt,
-    forward TFLOP/s one head at a time -> chunks, alternating): d=64 causal 4k 401 / 406 / 396 ->
-    417 / 412 / 412 and again 412 / 411 -> 413 / 418, 8k 459 / 433 / 435 -> 434 / 460 / 451 and
-    451 / 450 -> 452 / 453, 16k 468 / 468 / 453 -> 468 / 472 / 455; d=128 causal 4k 535 / 525 ->
-    523 / 523, 8k 575 / 580 -> 558 / 572. So d=64 only (hopper_forward_chunked)."""
+    one every tile of a head is as long, and the order stays. d=64 only (hopper_forward_chunked):
+    chunks measured faster there, and at d=128 no faster, with more spills (docs/tuning.md)."""
     if not hopper_forward_chunked(d, causal):
         return 1
     return l2_head_chunk(seqlen_k * d * 4 // group, device)
@@ -174,15 +182,14 @@ def hopper_forward_q_stages(d: int) -> int:
 def hopper_forward_persistent(d: int) -> bool:
     """Whether the Hopper forward runs persistent (a program per SM walking tiles) or a program per
     tile: persistent where a second Q buffer lets the next tile's loads run under this one. At
-    d=256 (one Q buffer) persistent measured 2k 579 / 571 TFLOP/s against 623 / 632, 16k 650 / 643
-    against 647 / 667, causal 16k 646 / 646 against 661 / 666 (NOTES.md "Persistent Hopper
-    forward"); there a program per tile skips the tile loop's fetch (PERSISTENT = False)."""
+    d=256 (one Q buffer) persistent measured slower (docs/tuning.md); there a program per tile
+    skips the tile loop's fetch (PERSISTENT = False)."""
     return hopper_forward_q_stages(d) == 2
 
 
 def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, dropout: bool = False,
                            softcap: bool = False) -> BlockConfig | None:
-    """Tiles for the Hopper backward (ops.backward._bwd_kernel_sm90), or None (the Triton programs),
+    """Tiles for the Hopper backward (ops.backward_sm90._bwd_kernel_sm90), or None (the Triton programs),
     at every length (docs/tuning.md). block_m query rows per step, block_n keys per program in two
     halves, one per consumer warpgroup of num_warps = 4; num_stages Q/dO buffers (3 do not fit next
     to the dS^T and dQ buffers at d=128, and were slower at d=64: docs/tuning.md).
@@ -194,25 +201,24 @@ def hopper_backward_config(d: int, dtype: torch.dtype, device: torch.device, dro
 
 def hopper_backward_ordered(d: int) -> bool:
     """Whether a deterministic backward takes the Hopper kernel (dQ's additions in their fixed
-    order, ops._common.dq_order) over the Triton programs: at every length, but not at head dims
+    order, ops.masks.dq_order) over the Triton programs: at every length, but not at head dims
     computed at 256, whose dQ (SPLIT_D) has no fixed order (docs/tuning.md)."""
     return not hopper_backward_split_d(hopper_head_dim(d))
 
 
 def hopper_backward_tiles(d: int, dropout: bool = False, softcap: bool = False) -> BlockConfig:
     """The Hopper backward's tiles at head dim d (computed at hopper_head_dim(d)): 128 keys per
-    program at d <= 128; Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a warpgroup take 192 of its
-    240 registers) and of 128 rows at d=64, where half as many steps carry the per-step waits:
-    1.02-1.09x the 64-row blocks' backward at 1k-16k, causal or not (ab_bwd_d64_rows128.txt, two
-    alternating rounds), although ptxas then spills a few loop scalars. d=256: 64 keys shared by
+    program at d <= 128; Q blocks of 64 rows at d=128 (dK, dV and the 64 x 64 S^T, dP^T of a
+    warpgroup take 192 of its 240 registers) and of 128 rows at d=64, where half as many steps
+    carry the per-step waits and measured faster, although ptxas then spills a few loop scalars
+    (docs/tuning.md). d=256: 64 keys shared by
     both warpgroups (hopper_backward_split_d) and 64-row Q blocks in two stages: K, V and two Q
     and dO buffers of 32 KB each and the P and dS buffers (two of each, 8 KB) take 225 of the
     SM's 227 KB, so dQ leaves through the Q and dO buffers. With dropout d=64 takes 64-row blocks
-    too: the Philox calls of a 128-row block spill 484 bytes, and at 4k the backward measured
-    4.72 / 2.71 ms (non-causal / causal) against 5.43 / 4.18 with 128 rows (NOTES.md "Dropout in
-    the Hopper kernels"). So does softcap, whose cap derivative beside a 128-row S^T spills
-    1512 bytes (0 with 64 rows). ALiBi keeps 128 rows (164 / 496 bytes spilled, causal): 1.08x
-    the 64-row blocks non-causal, level causal (alibi_costs.txt)."""
+    too: the Philox calls of a 128-row block spill 484 bytes and measured slower (docs/tuning.md).
+    So does softcap, whose cap derivative beside a 128-row S^T spills 1512 bytes (0 with 64 rows).
+    ALiBi keeps 128 rows (164 / 496 bytes spilled, causal): faster than 64 non-causal, level
+    causal (docs/tuning.md)."""
     d = hopper_head_dim(d)
     if d == 256:
         return BlockConfig(64, 64, 4, 2)
@@ -225,7 +231,7 @@ def hopper_backward_split_d(d: int) -> bool:
     thread. Each owns 128 columns of dK, dV and dQ and takes half the keys of S and dP, which go
     through shared memory to both (FA3's schedule there). Computing all of S^T and dP^T in each
     warpgroup instead (14 products' worth of wgmma for 10, P^T and dS^T from registers) measured
-    0.85-0.99x FlashAttention-2 against this one's 1.10-1.31x (NOTES.md "Hopper backward at d=256")."""
+    below FlashAttention-2's speed, where this one is above it (docs/tuning.md)."""
     return d == 256
 
 
@@ -233,25 +239,18 @@ def hopper_backward_defer_dq(d: int, right_bounded: bool, deterministic: bool) -
     """Whether the Hopper backward issues a step's dQ product at the start of the next step, ahead
     of its S^T, so the dQ tile's way out through shared memory runs under S^T (else each step ends
     with its dQ). right_bounded: the keys have a right bound (a causal mask, a window's right side);
-    deterministic: dQ leaves through the writer partition. Backward TFLOP/s against ending each
-    step with its dQ, alternating: d=64 1.03-1.05x at 1k-16k, causal 1.00-1.03x (ab_bwd_defer_dq.txt,
-    three rounds). d=128, where the deferred form hands dS^T over on named barriers
-    (_bwd_sm90_ds_stored), on the H200, two rounds each (ab_bwd_defer_dq128.txt,
-    ab_bwd_defer_dq128_noncausal.txt): 1k / 8k / 16k 421 / 426 -> 434 / 436, 537 / 541 -> 549 /
-    548, 552 / 549 -> 560 / 558; causal 1k / 2k / 8k 307 / 307 -> 306 / 306, 408 / 400 -> 399 /
-    400, 523 / 509 -> 512 / 511; deterministic 8k 536 / 533 -> 525 / 518 (2k level); at 4k level
-    with dropout 0.1 and ALiBi, 1.01x with softcap. So d=128 without a right bound and not
-    deterministic (its dQ tile's 32 registers beside S^T, dK and dV spill 40 bytes where 8 were)."""
+    deterministic: dQ leaves through the writer partition. At d=128 the deferred form hands dS^T
+    over on named barriers (_bwd_sm90_ds_stored), and its dQ tile's 32 registers beside S^T, dK and
+    dV spill 40 bytes where 8 were. Deferred measured faster at d=64 (causal level or faster) and
+    at d=128 without a right bound; at d=128 causal and deterministic slower (docs/tuning.md)."""
     return d == 64 or (d == 128 and not right_bounded and not deterministic)
 
 
 def hopper_backward_dq_by_rows(block_m: int, right_bounded: bool, deterministic: bool) -> bool:
     """Whether the Hopper backward's consumer warpgroups split a step's dQ by rows, 64 each, one
     m64n64 product a key half (FA3's split of dQ at d=64), instead of by columns (two m64n32):
-    with 128-row Q blocks where the keys have a right bound or dQ's additions are ordered.
-    Backward TFLOP/s, rows against columns, on the H200, two alternating rounds (ab_dqk.txt):
-    d=64 causal 16k 446 / 450 -> 464 / 463, deterministic 4k 414 / 421 -> 461 / 436, ALiBi
-    causal 4k level; without a right bound 0.95-0.97x at 1k / 4k / 16k, so those keep columns."""
+    with 128-row Q blocks where the keys have a right bound or dQ's additions are ordered: rows
+    measured faster there, and slower without a right bound, which keeps columns (docs/tuning.md)."""
     return block_m == 128 and (right_bounded or deterministic)
 
 
@@ -259,31 +258,24 @@ def hopper_backward_dq_by_rows(block_m: int, right_bounded: bool, deterministic:
 def hopper_backward_head_chunk(d: int, seqlen_q: int, group: int, causal: bool, device: torch.device,
                                ordered: bool = False) -> int:
     """(batch, K/V head) rows whose programs the Hopper backward interleaves in launch order
-    (ops._common.head_chunked_order): key block 0 of each row of a chunk first, then key block 1,
+    (ops.schedule.head_chunked_order): key block 0 of each row of a chunk first, then key block 1,
     and so on. With one row at a time (1), the grid's order, the longest programs of a causal mask
     (key block 0) of the last rows start last and leave SMs idle at the end; a chunk of rows runs
     its long programs first. The chunk is the most rows, a power of two, whose Q, dO (16-bit) and
     fp32 dQ buffer fit the L2 cache together, so the rows streaming past the resident programs stay
     there. causal: the keys have a right bound (a causal mask, a window's right side), so the key
-    blocks' programs differ in length. Measured (ab_bwd_head_chunk.txt, two alternating rounds,
-    backward TFLOP/s one row at a time -> chunks): d=128 causal 2k 376 / 379 -> 390 / 388, 4k 447 /
-    434 -> 467 / 458, 8k 484 / 484 -> 499 / 505, 1k and 16k level (281 / 282 -> 282 / 283, 537 /
-    536 -> 539 / 534), 4k with dropout 0.1 403 / 401 -> 422 / 421; d=64 causal (4k, 16k) and
-    d=128 non-causal (8k) level. So d=128 with a right bound: elsewhere the chunk's index
-    arithmetic would add spills for nothing (tests/test_codegen.py).
+    blocks' programs differ in length. d=128 with a right bound, where chunks measured faster;
+    elsewhere they measured level, and the chunk's index arithmetic would add spills for nothing
+    (tests/test_codegen.py; docs/tuning.md).
     ordered (deterministic=True, dQ's additions in dq_order): chunks without a right bound too.
     Without a right bound key block n adds into a Q block after key block n - 1, so one row at a
     time launched them side by side and each waited for the one before at every Q block; in chunks
-    key block n starts a chunk's worth of programs after key block n - 1 (ab_det_chunk.txt,
-    deterministic backward TFLOP/s one row at a time -> chunks, non-causal: d=128 2k / 4k 411 ->
-    420, 456 -> 486, 1k level (345 / 337); d=64 1k / 2k / 4k 288 -> 305, 330 -> 380, 372 -> 416;
-    at 8k / 16k then 0.98 / 1.00x the any-order kernel at d=128 and 0.95 / 0.97x at d=64, where
-    one row at a time had 0.95x / 0.91x at 16k in the last session's run; the chunks' index
-    arithmetic spills 40 bytes at d=128 where 12 were, none more at d=64). Under a right bound the kernel reverses the
-    key blocks (the last first, ops._common.dq_order), and key block n + 1, started beside key block n, reaches
-    a Q block a step or two before it: there the ordered kernel keeps the any-order rule (d=64 causal in chunks measured
-    level at 1k / 2k and 354 / 356 -> 382 / 359 at 4k, 426 / 438 -> 447 / 449 at 16k one row at a
-    time, ab_det_chunk_causal64.txt)."""
+    key block n starts a chunk's worth of programs after key block n - 1, which measured faster
+    (docs/tuning.md), though the chunks' index arithmetic spills 40 bytes at d=128 where 12 were
+    (none more at d=64). Under a right bound the kernel reverses the key blocks (the last first,
+    ops.masks.dq_order), and key block n + 1, started beside key block n, reaches a Q block a step
+    or two before it: there the ordered kernel keeps the any-order rule (chunks measured no better
+    at d=64 causal: docs/tuning.md)."""
     if not hopper_backward_chunked(d, causal, ordered):
         return 1
     return l2_head_chunk(seqlen_q * group * d * (2 + 2 + 4), device)
@@ -311,7 +303,7 @@ class BackwardConfig(NamedTuple):
     fused: bool
     dkdv_tma: bool = False  # dK/dV programs read Q and dO through TMA descriptors where the layout allows
     dq_tma: bool = False  # dQ programs read K and V through TMA descriptors where the layout allows
-    # causal masks: heads interleaved in launch order (ops._common.head_chunked_order), for the dK/dV
+    # causal masks: heads interleaved in launch order (ops.schedule.head_chunked_order), for the dK/dV
     # (or the one) launch and for the dQ launch
     head_chunk: int = 1
     dq_head_chunk: int = 1
@@ -329,41 +321,23 @@ def supports_pdl(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bool,
                     dropout: bool = False) -> BackwardConfig:
-    """Tiles for ops.backward on an H100 (sm_90).
+    """Tiles for ops.backward on an H100 (sm_90), each launch's own best in scripts/sweep_prefill.py's
+    sweeps (the two launches are independent); the measurements behind each choice: docs/tuning.md.
 
-    From scripts/sweep_prefill.py (bf16, 16k tokens; benchmarks/results/h100/sweep_backward_*.json,
-    device time of each launch from torch.profiler); the two launches are independent, so each
-    takes its own best tile. Seqlen 2k / 8k:
-    d=64 dK/dV (32, 128, 4, 3) 1.30 / 5.01 ms, causal 0.88 / 2.84; (64, 128, 8, 1) 1.70 / 6.12,
-    causal 0.94 / 3.31. dQ (64, 64, 4, 3) 0.78 / 2.91, causal 0.44 / 1.48; (64, 32, 4, 3) 0.78 /
-    3.13; (128, 64, 8, 3) causal 0.43 / 1.41 (126 registers: two programs per SM; the chunked
-    launch order's index arithmetic took it to 136 and the launch to 0.56 / 1.84, so the dQ launch
-    keeps one head at a time). Causal dK/dV in chunks of 4 heads: 0.89 / 2.67-2.72 (16k 5.18-5.44)
-    against 0.87 / 2.86-2.94 (16k 5.35-5.38) one head at a time, in two sweeps. TMA for Q/dO: within noise at d=64; for K/V in the
-    dQ programs (dq_tma) 0.71 / 2.58 (16k 5.13) against 0.75 / 2.93 (5.85), causal 0.42 / 1.42 (2.70)
-    against 0.43 / 1.42 (2.86).
-    d=128 dK/dV (64, 64, 4, 2) 1.13-1.17 / 4.13-4.19 ms, with TMA for Q and dO 1.00-1.01 / 3.71-3.72
-    (spills 104 -> 38-52 bytes); causal (64, 128, 8, 1) 0.75-0.77 / 2.47-2.60, (64, 64, 4, 2) with
-    TMA and 16 heads per launch chunk 0.68 / 2.17 (16k: 4.16 against 4.44). dQ (128, 64, 8, 3) 0.76
-    / 2.73, causal 0.44-0.45 / 1.36-1.45; (64, 64, 4, 2) 0.79 / 2.72. Every dK/dV tile with BLOCK_N
-    >= 64 spills at d=128 (ptxas), but the spill-free BLOCK_N = 32 ones were 1.5-2.5x slower.
-    dQ with TMA for K and V (dq_tma): 8k / 16k 2.46 / 4.91 ms against 2.81 / 5.59, causal 2k / 8k /
-    16k 0.40 / 1.40 / 2.56 against 0.45 / 1.51 / 3.00. dQ with TMA at 2 stages crashes ptxas
-    (SIGSEGV) in triton 3.6: (128, 64, 8, 2) on the H100, every 2-stage tile tried offline.
-    The dQ launch first, computing delta on the way (no delta launch; sweep_backward_dqfirst_*.json),
-    against delta, dK/dV, dQ launches: causal d=64 2k / 4k / 8k 256 -> 264 / 280 -> 289 / 315 -> 323
-    TFLOP/s, d=128 302 -> 310 / 318 -> 335 / 361 -> 373; non-causal within noise (8k: -2 to +2%).
-    PDL for the dK/dV launch after it (K/V loads overlap the dQ launch's tail, no launch gap), two
-    sweeps: d=64 causal 2k +0.3 / +0.9%, 4k +1.7 / +1.0%; elsewhere -5% to +6%, no sign.
-    One launch for both kinds (fused) was slower or within noise at every shape but d=64 causal 8k
-    (d=64 2k 272 vs 323 TFLOP/s; d=128 2k 342 vs 341, causal 265 vs 270): one tile, warp and stage
-    count must suit both kinds, and the heavier kind's registers bind both.
-    With dropout (Philox temporaries next to the dK/dV accumulators; sweep_backward_d128-64_s4096_
-    dropout0.1.json, 4k, whole backward): d=64 dK/dV (32, 64, 4, 3) 6.37 / causal 3.75 ms against
-    (32, 128, 4, 3) 6.83 / 3.97 (888 spilled bytes at 4 warps, 48 at 8: 6.65 / 3.84); d=128 causal
-    (32, 64, 4, 2) 2.60 against (64, 64, 4, 2) 2.68, non-causal 4.75 against 4.72 (kept).
-    d=256 (before the vectorised loads): dK/dV (32, 32, 4, 2) 167 / causal 142 TFLOP/s,
-    (64, 64, 8, 1) 152 / 153; all seven dQ tiles within noise.
+    - Two launches, the dQ launch first computing delta on the way (no delta launch), then dK/dV:
+      one launch for both kinds (fused) was slower or level, since one tile, warp and stage count
+      must suit both kinds and the heavier kind's registers bind both.
+    - dK/dV tiles with BLOCK_N >= 64 spill at d=128 (ptxas), but the spill-free BLOCK_N = 32 ones
+      were slower. The d=64 causal dQ tile (126 registers) fits two programs an SM, which the
+      chunked launch order's index arithmetic would take away: that launch keeps one head at a time.
+    - TMA for K/V in the dQ programs (dq_tma), and for Q/dO in the dK/dV programs at d=128 (fewer
+      spills; level at d=64). dQ with TMA at 2 stages crashes ptxas (SIGSEGV) in triton 3.6:
+      (128, 64, 8, 2) on the H100, every 2-stage tile tried offline.
+    - Causal launches in chunks of heads (head_chunk, dq_head_chunk): their longest programs first.
+    - PDL for the dK/dV launch after the dQ launch (K/V loads overlap its tail, no launch gap): a
+      little faster at d=64 causal, no sign elsewhere.
+    - With dropout (Philox temporaries next to the dK/dV accumulators) the smaller dK/dV tiles that
+      its sweep (4k, whole backward, without PDL) found faster.
     """
     if not on_gpu(device):
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, True)
@@ -373,7 +347,7 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
         if bd <= 128:
             return BackwardConfig(BlockConfig(32, 64, 4, 1), BlockConfig(64, 32, 4, 1), False, pdl=pdl)
         return BackwardConfig(BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1), False, pdl=pdl)
-    if dropout and bd <= 64:  # the dropout sweep of the docstring (measured without PDL)
+    if dropout and bd <= 64:  # the dropout sweep's tile, measured without PDL (docs/tuning.md)
         return BackwardConfig(BlockConfig(32, 64, 4, 3), BlockConfig(64, 64, 4, 3), False, dq_tma=True)
     if dropout and bd <= 128 and causal:
         return BackwardConfig(BlockConfig(32, 64, 4, 2), BlockConfig(128, 64, 8, 3), False, dkdv_tma=True,
@@ -396,7 +370,7 @@ def backward_config(d: int, dtype: torch.dtype, device: torch.device, causal: bo
 # exercise both paged paths (page 16 < 32 keys: one page index per key; page 64: one per tile).
 DECODE_INTERPRETER_BLOCK_N = 32
 
-# The num_splits heuristic (decode_num_splits); H100 numbers, see its docstring.
+# The num_splits heuristic (decode_num_splits), from H100 measurements (docs/tuning.md).
 DECODE_PROGRAMS_PER_SM = 2  # programs counted per SM when sizing the grid ("slots"); 2-3 fit at once
 DECODE_NO_SPLIT_FILL = 0.8  # one program per (batch, kv head) filling 80% of the slots is enough
 DECODE_ROUNDS = 1  # otherwise fill every slot this many times over (contiguous caches)
@@ -459,34 +433,15 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
     every head dim keeps 32 KB), 4 warps, 2 stages: one buffer per program, so more programs fit
     on an SM than with 3 stages (2 cp.async buffers).
     A page smaller than the tile makes the key addresses a gather through the block table (a page
-    index per key); the tiles stay the same.
-
-    Measured (H100, fp16, 16 q / 2 kv heads, d=128, device time from CUDA graphs over rotating
-    buffers, `python -m flashtile.bench.decode --sweep`): the 67 MB caches take 27.5-30.7 us with
-    64 keys x 2 stages against 29.3-33.2 us with the earlier 3 stages; Llama-3-8B's 2.1 GB cache
-    704 us against 769 us. 128-key tiles were within 1-8%. Page 16: 64 keys x 2 stages take
-    30.6 us at 128 x 512 against 34.1 us with the earlier 32 keys x 3 stages (sweep_page16.json);
-    in decode.json of the same tiles 30.0-35.7 us on the 67 MB caches (32.6-33.7 with 32 x 3),
-    1.09-1.12x contiguous where 32 x 3 ranged 1.02-1.21x, and 720 us at 2.1 GB (726).
-    Split, 16-token pages take tiles of one page (16 keys, no gather: one page index a tile) in 3
-    stages, and twice the splits that makes (~250 keys a program): sweep_page16_small_tiles.json
-    (8af37ee, device time in us, against 64 x 2 with its splits, contiguous 64 x 2 in brackets)
-    16 x 4096 32.8 / 33.9 (30.0), 8 x 8192 33.1 / 35.0 (30.7), 2 x 32768 32.2 / 35.0 (31.4),
-    1 x 65536 32.3 / 34.5 (30.7), 1 x 131072 56.8 / 57.0 (53.4). Unsplit they lose where a program
-    reads more keys (128 x 512: 32.4 against 30.7; 256 x 256 29.4 against 30.0; Llama-3-8B's cache
-    723 against 719), so unsplit launches keep the gather tiles. An unsplit launch of one round
-    (programs <= slots, decode_num_splits) holds too few bytes in flight with them: 128-key gather
-    tiles measured 19.1 / 23.1 us at 64 x 512, 17.3 / 18.1 at 128 x 256, 29.0 / 30.7 at 128 x 512,
-    28.8 / 31.4 at 32 x 512 with 32 / 8 heads (sweep_page16_small.json, 2026-11-27), and as much
-    where the programs read more keys (128 x 1024 / 2048 / 8192 53.2 / 55.7, 99.5 / 104.4, 366.0 /
-    389.5; 32 / 8 heads 32 x 2048 / 8192 98.2 / 103.9, 365.3 / 385.4:
-    sweep_page16_one_round_long.json); past one round they gain nothing or lose (192 x 512 41.2 /
-    41.2, 256 x 256 30.4 / 30.0, Llama-3-8B's cache 770 / 719: sweep_page16_unsplit.json), and
-    contiguous caches do not gain (128 x 512 27.9 / 27.7, sweep_contig_unsplit.json). Contiguous
-    128-key tiles in 3 stages won 1-8% on some long multi-round launches and lost up to 17% on
-    short ones (sweep_contig_rounds.json, sweep_contig_long.json, sweep_contig_unsplit.json), and
-    max_keys is often the cache's capacity, not the lengths: not taken. Other page sizes, head
-    dims and query-row counts (more than 16 packed rows) were not measured and keep their tiles.
+    index per key); the tiles stay the same, except at 16-token pages (d=128, up to 16 rows):
+    a launch that splits takes tiles of one page (16 keys, no gather: one page index a tile) in 3
+    stages, and twice the splits that makes (~250 keys a program); an unsplit launch of one round
+    (programs <= slots, decode_num_splits), which holds too few bytes in flight with 64-key gather
+    tiles, takes 128-key ones. Each measured faster where it runs and no faster elsewhere;
+    contiguous 128-key tiles in 3 stages won on some long launches and lost on short ones, and
+    max_keys is often the cache's capacity, not the lengths: not taken (docs/tuning.md). Other page
+    sizes, head dims and query-row counts (more than 16 packed rows) were not measured and keep
+    their tiles.
     """
     block_m = min(max(16, next_pow2(rows)), 64)
     if not on_gpu(device):
@@ -505,8 +460,8 @@ def decode_config(rows: int, d: int, dtype: torch.dtype, page_size: int, device:
         if one_round:
             return BlockConfig(block_m, 128, 4, 2)
     # paged, 3 stages: the pipeliner then reads a tile's page indices (into shared memory) a tile
-    # before its keys, which keep their one buffer (the same shared memory as 2 stages): 256 x 256
-    # with 64-token pages 20.9 us against 21.1-21.2 (H200, benchmarks/results/h200/ab_decode_page_masks.txt)
+    # before its keys, which keep their one buffer (the same shared memory as 2 stages): a little
+    # faster (docs/tuning.md)
     return BlockConfig(block_m, max(16, min(128, 32 * 1024 // (2 * bd * 2))), 4, 3 if page_size and bd <= 128 else 2)
 
 
@@ -549,15 +504,8 @@ def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.devic
     an SM with 3 tiles in flight reads at ~94% of the read floor, where _split_kernel needs two or
     more programs an SM and then splits (and merges) twice as much. With num_splits = 0 the keys are
     cut so the grid fills the SMs once, at >= DECODE_MIN_BLOCKS_PER_SPLIT tiles a split; past one
-    program an SM they are not cut.
-
-    Measured (decode_probe.txt of the thirty-first session: H100, fp16, 16 q / 2 kv heads, device
-    time from CUDA graphs over rotating caches; the probes are this loop without masks or epilogue,
-    us): one program an SM, 3 stages, 64x1024 unsplit 25.1 (Triton's loop 31.8 there, 26.5 with 2
-    splits), 16 x 4096 in 4 splits 25.0, 1 x 65536 in 64 splits 25.3, against a read floor of 23.5.
-    Past one round (ab_decode_warp_rounds.txt, this kernel against _split_kernel, alternating, us):
-    128 x 512 (256 programs of 8 tiles) 26.7 against 27.7, Llama-3-8B's 64 x 8192 with 32 / 8 heads
-    (512 of 128) 697.2 against 704.1, but 256 x 256 (512 of 4 tiles) 27.7 against 27.5."""
+    program an SM they are not cut. Past one round it measured faster with rows of 8 tiles or more,
+    not with 4 (docs/tuning.md)."""
     if (not on_gpu(device) or capability(device) != (9, 0) or dtype not in (torch.float16, torch.bfloat16)
             or d not in (64, 128) or rows > 16):
         return None
@@ -583,20 +531,15 @@ def decode_num_splits(programs: int, max_keys: int, block_n: int, num_sms: int, 
 
     The GPU holds DECODE_PROGRAMS_PER_SM x num_sms programs at once ("slots", 264 on an H100).
     1. programs >= DECODE_NO_SPLIT_FILL x slots (large batch: 256 x 2 KV heads): no split, so no
-       partials and no combine kernel. Splitting could not make a full GPU read faster (256 x
-       256 keys: 27.5 us with 1 split, 35.4 with 2, 43.8 with 4).
+       partials and no combine kernel. Splitting could not make a full GPU read faster
+       (docs/tuning.md).
     2. Otherwise cut the keys so the grid fills the slots DECODE_ROUNDS times (paged caches:
-       DECODE_ROUNDS_PAGED): floor(rounds x slots / programs). Device time with the combine kernel
-       (sweep_rounds.json, 2026-11-24), contiguous, one round against two: 1 x 131072 keys 53.5 us
-       with 128 splits against 54.2 with 256, 32 / 8 heads 2 x 65536 185.7 with 16 against 190.5
-       with 33, 1 x 32768 53.4 with 32 against 53.5 with 64; 16-token pages the other way (57.0
-       against 59.3, 195.4 against 204.3, 57.3 against 59.7): their gathers want more programs in
-       flight.
+       DECODE_ROUNDS_PAGED): floor(rounds x slots / programs). One round measured best on
+       contiguous caches, two on 16-token pages, whose gathers want more programs in flight
+       (docs/tuning.md).
     3. But never below DECODE_MIN_BLOCKS_PER_SPLIT key tiles per split: a split pays a fixed cost
        (load q, write rows x d fp32 partials, read them again in the combine). 8 tiles measured
-       best or within 3% (device time, 64-key tiles): 16 x 4096 keys 30.4 us with 8 splits against
-       31.7 with 16 and 37.0 with 4; 1 x 65536 30.7 us with 128 splits, 30.8 with 256; 1 x 131072
-       55.1 with 256 and 53.6 with 128.
+       best or within 3% (docs/tuning.md).
     """
     slots = DECODE_PROGRAMS_PER_SM * num_sms
     if programs >= DECODE_NO_SPLIT_FILL * slots:
@@ -611,10 +554,8 @@ def decode_fuse_combine(num_splits: int) -> bool:
     arrival counter) instead of a separate combine kernel. The merging program reads every split's
     partial tile in turn, so the fused merge costs ~num_splits L2 round trips in one program, where
     the combine kernel spreads one row's splits over many programs in one round trip; one launch
-    less pays for few splits only. Measured (H100, device time, CUDA graphs, fp16 16 q / 2 kv
-    heads, d=128; sweep_combine.json), fused against the combine kernel: 2 splits 32.2 / 35.5 us
-    (256 x 256) and 29.9 / 32.3 (128 x 512), 8 splits 30.0 / 30.9 (16 x 4096), 16 splits 32.4 /
-    31.7 and 31.1 / 31.1, 32 splits 34.8 / 31.5, 128 splits 47.2 / 31.4 (1 x 65536)."""
+    less pays for few splits only: fused measured faster up to 8 splits, slower past 16
+    (docs/tuning.md)."""
     return num_splits <= DECODE_FUSED_MAX_SPLITS
 
 

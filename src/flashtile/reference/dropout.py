@@ -17,7 +17,7 @@ The key and counter of score (row i, key j) of sequence b, head h (H heads), and
     bits(i, j) = byte 2 ((j // 8) % 2) + (i // 8) % 2 (low first) of word w_{j % 2}
     keep(i, j) = bits(i, j) >= threshold = round(p * 2^8)      (_checks.dropout_threshold)
 
-(ops._common.dropout_keep says why the groups are 2 x 4.) seed and offset, 64 bits each, come
+(ops.philox.dropout_keep says why the groups are 2 x 4.) seed and offset, 64 bits each, come
 from torch's generator (`draw_rng`), so `torch.manual_seed` reproduces a run; 96 of their bits set
 the call's stream (the XORs keep one call's counters distinct). The tests hold this
 module and the kernels' helper equal, and philox2x32 to Random123's known-answer vectors.
@@ -31,7 +31,7 @@ from flashtile import _checks
 
 _M32 = 0xFFFFFFFF
 PHILOX2_M, PHILOX2_W = 0xD256D193, 0x9E3779B9  # Random123's Philox2x32 multiplier and key increment
-PHILOX_ROUNDS = 7  # the kernels' ops._common.PHILOX_ROUNDS
+PHILOX_ROUNDS = 7  # the kernels' ops.philox.PHILOX_ROUNDS
 HEAD_KEY_STRIDE = 0x2545F491  # odd, so the heads of one call get distinct keys
 
 

@@ -5,7 +5,7 @@ flash-attn's varlen layout packs the batch's sequences end to end, q (total_q, h
 is attention of q[cu_q[b]:cu_q[b+1]] over its keys with every mask aligned to its own bottom-right
 corner; nothing crosses a sequence boundary. So the reference is a loop: cut each sequence out,
 run `fa2` (or any BSHD attention) on it as a batch of one, put the results back. The kernels do
-the same in one launch (ops._common.seq_bounds).
+the same in one launch (ops.masks.seq_bounds).
 
 Keys of sequence b: rows cu_k[b]:cu_k[b+1] of k/v, only the first seqused_k[b] of them when given;
 or, with a block_table, pages (num_pages, page_size, hk, d) where key j is row j % page_size of page
