@@ -20,8 +20,7 @@ import torch
 
 from flashtile.bench import harness
 from flashtile.ops import configs
-from flashtile.ops.prefill import attention_backward
-from flashtile.ops.prefill import attention_forward
+from flashtile.ops.prefill import attention_backward, attention_forward
 
 
 def qkv(b, s, h, hk, d):

@@ -5,7 +5,8 @@
 bf16, 16k tokens, heads x d = 2048 (bench prefill's shapes); each round times both kernels
 (triton.testing.do_bench) on the same inputs: the Hopper one forced wherever it can run (the
 dispatch's thresholds aside), the Triton one by making configs.hopper_forward_config answer None.
-SHAPES replaces the default list: d:causal:seqlen,... (e.g. 64:1:2048,64:0:1024). Prints TFLOP/s per round and the ratio of medians:
+SHAPES replaces the default list: d:causal:seqlen,... (e.g. 64:1:2048,64:0:1024).
+Prints TFLOP/s per round and the ratio of medians:
 alternating within a run separates the kernels from the clock drift that moves whole bench runs.
 """
 

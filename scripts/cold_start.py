@@ -38,7 +38,8 @@ def child(impl: str, name: str) -> None:
 
     triton.knobs.runtime.jit_cache_hook = hook
     if impl == "fa4":
-        from flash_attn.cute import flash_attn_func as fa4, flash_attn_varlen_func as fa4_varlen
+        from flash_attn.cute import flash_attn_func as fa4
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
     else:
         import flashtile
     cfg = CONFIGS[name]

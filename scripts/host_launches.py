@@ -24,7 +24,7 @@ import torch
 
 import flashtile
 from flashtile.bench import harness
-from flashtile.ops import _launch, decode
+from flashtile.ops import _launch
 
 ROUNDS, CALLS = 12, 300
 

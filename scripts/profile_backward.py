@@ -2,7 +2,8 @@
 
     ncu -k regex:_bwd_kernel_sm90 -c 1 --section ... python scripts/profile_backward.py D SEQLEN [--causal]
     python scripts/profile_backward.py D SEQLEN [--causal] [--fa4] --kernels
-    ncu -k regex:_fwd_kernel_sm90 --launch-skip 1 -c 1 ... python scripts/profile_backward.py D SEQLEN [--causal] [--fa4] --forward
+    ncu -k regex:_fwd_kernel_sm90 --launch-skip 1 -c 1 ... \
+        python scripts/profile_backward.py D SEQLEN [--causal] [--fa4] --forward
 
 bf16, 16k tokens, heads x d = 2048 (the prefill benchmark's shapes); the forward and the backward
 run twice (compilation, then the launch the profiler takes with -c 1 after --launch-skip 1).

@@ -192,7 +192,8 @@ def main(argv=None) -> int:
                 say(f"round {round_} {name:10s}: ms/step {cols(blocks, 2)}; attention ms/step {cols(per_step, 2)}; "
                     f"first layer's call us {cols(first, 0)}, the others' {cols(others, 0)} (medians)")
                 if round_ == 1 and args.trace:
-                    from torch.profiler import ProfilerActivity, profile as trace
+                    from torch.profiler import ProfilerActivity
+                    from torch.profiler import profile as trace
 
                     with trace(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         decode_steps(model, token, mask, past, 4, device)

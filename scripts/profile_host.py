@@ -65,7 +65,6 @@ def prefill_rows(row, lines):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashtile.bench import harness
-    from flashtile.ops import forward
 
     x = [torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     do = torch.randn_like(x[0])

@@ -136,7 +136,8 @@ def time_config(kernel, cfg, d, causal, seqlen=4096, tokens=16384, reference=Non
                         raise AssertionError(f"{name} differs from the reference candidate's: {err:.3g}")
             ms = harness.bench_ms(lambda: prefill.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
             try:
-                launch_ms = launch_times(lambda: prefill.attention_backward(do, q, k, v, out, lse, scale, window, dropout=dropout))
+                launch_ms = launch_times(lambda: prefill.attention_backward(do, q, k, v, out, lse, scale, window,
+                                                                            dropout=dropout))
             except Exception as e:  # the profiler's event API moves between torch versions
                 launch_ms = repr(e)[:200]
             f = 2.5 * 4 * b * h * seqlen * seqlen * d
@@ -155,7 +156,8 @@ def label(cfg) -> str:
         a, b = cfg.dkdv, cfg.dq
         if cfg.fused:
             return f"F({a.block_m}, {a.block_n}, {b.block_m}, {b.block_n}, {a.num_warps}, {a.num_stages})"
-        extra = ((", tma" if cfg.dkdv_tma else "") + (", dq_tma" if cfg.dq_tma else "") + (f", chunk={cfg.head_chunk}" if cfg.head_chunk > 1 else "")
+        extra = ((", tma" if cfg.dkdv_tma else "") + (", dq_tma" if cfg.dq_tma else "")
+            + (f", chunk={cfg.head_chunk}" if cfg.head_chunk > 1 else "")
                  + (f", dq_chunk={cfg.dq_head_chunk}" if cfg.dq_head_chunk > 1 else "")
                  + (", pdl" if cfg.pdl else ""))
         return f"S({tuple(a)}, {tuple(b)}{extra})"

@@ -13,7 +13,8 @@
     python tests/codegen_check.py --serve   (command lines as JSON lists on stdin, reports on stdout)
 
 KERNEL: forward, dkdv, dq (the backward's two kinds of programs in launches of their own; dq-delta
-computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma); BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
+computing delta, dq-tma, dkdv-tma, dkdv-pdl) or backward (both kinds in one grid; backward-tma);
+BLOCKS overrides the tiles, e.g. 64,128,8,3 for the forward, dK/dV
 or dQ, 32,128,128,32,4,3 (dK/dV rows and keys, dQ rows and keys, warps, stages) for the backward.
 With --regs it also reports registers and spill bytes per thread from ptxas -v. --flags sets
 constexprs, e.g. IS_VARLEN=1,HAS_DROPOUT=1,PAGE_SIZE=16 (their tensors become pointers).
@@ -155,7 +156,8 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
             signature[n] = f"tensordesc<bf16[1, {boxes[n]}, 1, {d}],{layout!r}>"
         else:
             signature[n] = {"Out": "*bf16", "Lse": "*fp32", "TileCounter": "*i32", "Rng": "*i64", "qk_scale": "fp32",
-                            "softcap": "fp32", "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32", "Slopes": "*fp32"}.get(n, "i32")
+                            "softcap": "fp32", "dropout_scale": "fp32", "CuSeqQ": "*i32", "CuSeqK": "*i32", "Sink": "*fp32",
+                            "Slopes": "*fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=forward_sm90.hopper_forward_maxnreg(const["CONSUMERS"])))

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from flashtile.ops import _launch, backward, configs, decode, forward, forward_sm90
+from flashtile.ops import _launch, configs, decode, forward_sm90
 
 _BACKEND = None
 _BINDERS: dict = {}

@@ -6,14 +6,12 @@ inputs are fresh random normals in the requested memory layout.
 
 from __future__ import annotations
 
-
 import math
 
 import torch
 
 from flashtile.autograd import by_head, sink_grad
-from flashtile.ops.prefill import attention_backward
-from flashtile.ops.prefill import attention_forward
+from flashtile.ops.prefill import attention_backward, attention_forward
 from flashtile.reference import naive
 from flashtile.reference.dropout import DropoutMask, draw_rng
 from flashtile.testing import assert_2x, poison

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+
 @dataclass(frozen=True)
 class Case:
     seed: int

@@ -135,7 +135,8 @@ def describe(compiled) -> dict:
         os.remove(path + ".ptx")
         os.remove(path + ".cubin")
     spills = re.search(r"(\d+) bytes spill stores", log)
-    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    opcode = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"  # after the address and any predicate
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(opcode, sass))
     return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
             "spill_bytes": int(spills.group(1)) if spills else 0, "shared": compiled.metadata.shared,
             "instructions": sum(ops.values()), "opcodes": dict(sorted(ops.items()))}

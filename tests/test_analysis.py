@@ -3,11 +3,11 @@ seeds' numbers; block sizes and roofline times."""
 
 import pytest
 import torch
+from reference_cases import Case
 
 from flashtile import analysis
 from flashtile.analysis import report
 from flashtile.reference import decoding, fa1, fa2
-from reference_cases import Case
 
 E = 2  # count the float64 runs as the fp16 kernels they model
 

@@ -4,8 +4,8 @@ import re
 
 import pytest
 import torch
-
 from decode_check import check_kvcache
+
 from flashtile import DecodePlan, _checks, api, flash_attn_with_kvcache, merge_attention_states
 from flashtile.ops import configs
 

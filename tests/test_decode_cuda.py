@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import torch
-
 from decode_check import check_kvcache, make_cache
+
 from flashtile import DecodePlan, flash_attn_with_kvcache, merge_attention_states
 from flashtile.bench.harness import capture
 from flashtile.reference.decoding import merge

@@ -8,8 +8,8 @@ count below leaves some splits several tiles long and others empty.
 
 import pytest
 import torch
-
 from decode_check import check_kvcache, make_cache, poisoned_empty
+
 from flashtile import DecodePlan, _checks, api
 from flashtile.ops import configs
 from flashtile.reference.kvcache import attention_with_kvcache

@@ -7,14 +7,14 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from prefill_check import check_prefill
+from varlen_check import check_varlen
 
 import flashtile
 from flashtile import _checks, api
 from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.philox import philox2x32 as kernel_philox2x32
 from flashtile.reference.dropout import DropoutMask, draw_rng, philox2x32
-from prefill_check import check_prefill
-from varlen_check import check_varlen
 
 pytestmark = pytest.mark.interpret
 

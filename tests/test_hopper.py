@@ -5,7 +5,7 @@ which tensors it can address (forward_sm90.refusal, backward_sm90.refusal). The 
 import pytest
 import torch
 
-from flashtile.ops import backward_sm90, configs, forward, forward_sm90, prefill
+from flashtile.ops import backward_sm90, configs, forward_sm90, prefill
 
 CUDA = torch.device("cuda")
 
@@ -143,7 +143,6 @@ def test_supports_packed_batches():
     """Packed (varlen) batches run the Hopper kernels, forward and backward: the copy engine reads
     them as one sequence of all the rows and the kernels find each sequence (test_hopper_cuda.py's
     varlen tests on the H100)."""
-    from flashtile.ops import backward
 
     q, k, v, varlen = packed()
     assert forward_sm90.refusal(q, k, v, torch.empty_like(q), 1.0, varlen, None) is None
@@ -218,7 +217,6 @@ def test_forward_head_chunks_fit_the_l2(monkeypatch):
 
 @pytest.mark.parametrize("refused", ["none", "negative scale", "paged varlen", "expanded k", "misaligned dk"])
 def test_backward_supports(refused):
-    from flashtile.ops import backward
 
     q, k, v = qkv()
     dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -246,7 +244,6 @@ def test_deterministic_reaches_the_hopper_backward(monkeypatch, how, d):
     computes at 256 (SPLIT_D, dQ in no fixed order) keeps the Triton programs. Run on the CPU with
     the dispatch forced and the launch replaced by a recorder that raises with its deterministic."""
     import flashtile
-    from flashtile.ops import backward
 
     class Launched(Exception):
         pass
@@ -291,7 +288,7 @@ def test_hopper_plans_bind_the_kernels_arguments(sm90, monkeypatch, extras, d):
     arguments first, from the call's tensors by slot, then its scalars, one for each parameter in
     signature order, and every constexpr by name; each Box makes the checked descriptor Triton's
     path gets. The forward's consumer warpgroups and register cap follow its tile."""
-    from flashtile.ops import _launch, backward
+    from flashtile.ops import _launch
     from flashtile.reference.dropout import draw_rng
 
     monkeypatch.setattr(configs, "on_gpu", lambda device: True)
@@ -337,7 +334,7 @@ def test_hopper_backward_plan_runs_its_delta_launch(sm90, monkeypatch, packed):
     (poisoned here); the kernel gets those buffers and the call's tensors in their slots; dq is
     the caught dQ sum scaled (zero, as the kernel never ran)."""
     from flashtile._checks import Varlen
-    from flashtile.ops import _launch, backward
+    from flashtile.ops import _launch
 
     monkeypatch.setattr(configs, "on_gpu", lambda device: True)
     caught = []

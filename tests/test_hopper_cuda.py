@@ -8,13 +8,13 @@ into the caller's buffer, reruns and CUDA-graph replay."""
 
 import pytest
 import torch
+from prefill_check import check_dq_accumulates, check_past_65535_heads, check_prefill, make_qkv
+from varlen_check import check_varlen
 
 from flashtile._checks import Varlen
 from flashtile.bench.harness import capture
-from flashtile.ops import _launch, backward, backward_sm90, configs, forward, forward_sm90, prefill
+from flashtile.ops import _launch, backward, backward_sm90, configs, forward_sm90, prefill
 from flashtile.reference.dropout import DropoutMask, draw_rng
-from prefill_check import check_dq_accumulates, check_past_65535_heads, check_prefill, make_qkv
-from varlen_check import check_varlen
 
 pytestmark = pytest.mark.cuda
 

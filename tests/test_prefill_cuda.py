@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from prefill_check import check_past_65535_heads, check_prefill, make_qkv
 
 import flashtile
 from flashtile.bench.harness import capture
-from prefill_check import check_past_65535_heads, check_prefill, make_qkv
 
 pytestmark = pytest.mark.cuda
 
@@ -136,8 +136,7 @@ def test_backward_is_reproducible():
     Triton programs. (The default Hopper backward: test_hopper_cuda.test_backward_reruns.)"""
     q, k, v = make_qkv(4, 4096, 4096, 16, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
-    from flashtile.ops.prefill import attention_backward
-    from flashtile.ops.prefill import attention_forward
+    from flashtile.ops.prefill import attention_backward, attention_forward
 
     names = ("out", "lse", "dq", "dk", "dv")
     first = None
@@ -158,8 +157,7 @@ def test_backward_cuda_graph(monkeypatch, d):
     graph and replayed on new inputs written into the captured buffers: bitwise equal to eager
     launches. (The Hopper backward: test_hopper_cuda.test_backward_cuda_graph.)"""
     from flashtile.ops import configs
-    from flashtile.ops.prefill import attention_backward
-    from flashtile.ops.prefill import attention_forward
+    from flashtile.ops.prefill import attention_backward, attention_forward
 
     monkeypatch.setattr(configs, "hopper_backward_config", lambda *a, **kw: None)
     scale, window = d ** -0.5, (None, 0)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from prefill_check import check_dq_accumulates, check_prefill
 
 from flashtile.ops import configs
-from prefill_check import check_dq_accumulates, check_prefill
 
 pytestmark = pytest.mark.interpret
 

@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 import torch
+from compile_keys import recording
 
 import flashtile
-from compile_keys import recording
 
 # (batch, seqlen_q, seqlen_k): the first call, then the others
 FIRST = (2, 4096, 4096)

@@ -3,10 +3,10 @@ empty splits and takes any leading shape (it is the CPU path of merge_attention_
 
 import pytest
 import torch
+from reference_cases import CASES, ORACLE_ATOL, Case
 
 from flashtile import testing
 from flashtile.reference import decoding, naive
-from reference_cases import CASES, ORACLE_ATOL, Case
 
 SK = 23
 SPLITS = [

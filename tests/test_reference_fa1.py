@@ -3,10 +3,10 @@ the state written back to HBM after outer step j is what seed 001's induction pr
 
 import pytest
 import torch
+from reference_cases import CASES, ORACLE_ATOL, Case, HBMWrites
 
 from flashtile import testing
 from flashtile.reference import fa1, naive
-from reference_cases import CASES, ORACLE_ATOL, Case, HBMWrites
 
 
 def _sram_for(block_c: int, d: int, element_size: int = 8) -> int:

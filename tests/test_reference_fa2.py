@@ -3,11 +3,11 @@ O(N) memory, clear errors)."""
 
 import pytest
 import torch
+from reference_cases import CASES, ORACLE_ATOL, Case
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashtile import testing
 from flashtile.reference import fa2, naive
-from reference_cases import CASES, ORACLE_ATOL, Case
 
 BLOCKS = {"block_m": 8, "block_n": 16}  # no test length is a multiple of either
 

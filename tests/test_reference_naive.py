@@ -6,10 +6,10 @@ the gradient tests of fa1, fa2 and the kernels rest on a checked oracle.
 
 import pytest
 import torch
+from reference_cases import CASES, Case
 
 from flashtile import testing
 from flashtile.reference import naive
-from reference_cases import CASES, Case
 
 
 def _autograd(q, k, v, dout, **kwargs):

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from reference_cases import HBMWrites
 
 from flashtile.reference import fa1, fa2
-from reference_cases import HBMWrites
 
 
 def test_seed000_online_softmax_in_two_blocks():

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ring_check import Case, check, worker
 
 import flashtile
 from flashtile import distributed
 from flashtile.distributed import plan, ring
-from ring_check import Case, check, worker
 
 # global tokens: 16 = 2 x 2 chunks of 4 on 2 ranks; 24 = 3 x 2 chunks of 4 on 3 ranks
 CASES_2 = {

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ring_check import Case, check, worker
 
 import flashtile
 from flashtile import distributed
 from flashtile.bench import ring as bench
 from flashtile.distributed import ring, unshard_sequence
-from ring_check import Case, check, worker
 
 pytestmark = pytest.mark.cuda
 

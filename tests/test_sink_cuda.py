@@ -4,14 +4,14 @@ DecodePlan in a CUDA graph, and gradients through the API. Oracle and rule: test
 
 import pytest
 import torch
-
-import flashtile
-from flashtile.bench.harness import capture
-from flashtile.ops import configs
 from decode_check import check_kvcache, make_cache
 from prefill_check import check_prefill, sink_logits
 from test_prefill_cuda import HEADDIMS, SEQLENS
 from varlen_check import check_varlen
+
+import flashtile
+from flashtile.bench.harness import capture
+from flashtile.ops import configs
 
 pytestmark = pytest.mark.cuda
 

@@ -8,15 +8,15 @@ row once (the forward's epilogue, the decode merge), and its gradient is a reduc
 
 import pytest
 import torch
+from decode_check import check_kvcache
+from prefill_check import check_prefill, check_sink_grad, sink_logits
+from varlen_check import check_varlen
 
 import flashtile
 from flashtile import api
+from flashtile.autograd import sink_grad
 from flashtile.ops import configs
 from flashtile.reference import naive
-from decode_check import check_kvcache
-from flashtile.autograd import sink_grad
-from prefill_check import check_prefill, check_sink_grad, sink_logits
-from varlen_check import check_varlen
 
 interpret = pytest.mark.interpret
 

@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
+from prefill_check import check_prefill, make_qkv
+from varlen_check import check_varlen, offsets
 
 import flashtile
 from flashtile.bench.harness import capture
 from flashtile.reference.dropout import draw_rng
-from prefill_check import check_prefill, make_qkv
-from varlen_check import check_varlen, offsets
 
 pytestmark = pytest.mark.cuda
 
@@ -84,8 +84,7 @@ def test_varlen_and_dropout_are_reproducible():
     dropout (the same seed tensor): out, LSE, dQ, dK, dV bitwise equal. (The default backward on
     Hopper sums dQ in a varying order, as flash-attn's: test_hopper_cuda.test_varlen_reruns.)"""
     from flashtile import _checks
-    from flashtile.ops.prefill import attention_backward
-    from flashtile.ops.prefill import attention_forward
+    from flashtile.ops.prefill import attention_backward, attention_forward
 
     lens = [4096, 1000, 3000, 17, 8192]
     cu = offsets(lens, "cuda")

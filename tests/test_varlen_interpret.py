@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from varlen_check import check_varlen, offsets, oracle, paged_copy
 
 import flashtile
 from flashtile import api
 from flashtile.ops import configs
-from varlen_check import check_varlen, offsets, oracle, paged_copy
 
 pytestmark = pytest.mark.interpret
 

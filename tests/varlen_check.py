@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import _checks
-from flashtile.ops.prefill import attention_backward
-from flashtile.ops.prefill import attention_forward
+from flashtile.ops.prefill import attention_backward, attention_forward
 from flashtile.reference import fa2, naive
 from flashtile.reference.dropout import DropoutMask, draw_rng
 from flashtile.testing import assert_2x, poison

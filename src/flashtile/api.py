@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
-
 from typing import NamedTuple
 
 import torch
 
 from flashtile import _checks, autograd
-from flashtile.ops import dispatch
 from flashtile._checks import ArgumentError
+from flashtile.ops import dispatch
 
 _BACKENDS = ("auto", "triton", "reference")
 _forced = "auto"

@@ -88,7 +88,7 @@ from packaging.version import Version
 
 from flashtile._checks import per_version, upload
 from flashtile.api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flashtile.padding import pad_input, packing
+from flashtile.padding import packing, pad_input
 
 NAME = "flashtile"
 # The first release with masking_utils.AttentionMaskInterface, which lets an attention

@@ -770,7 +770,8 @@ def backward_ds_unit(dropout_scale: float, has_dropout: bool, split_d: bool) -> 
 
 def plan(env: list, cfg, softmax_scale, window, softcap, varlen, dropout, accumulate_dq, deterministic,
          zero_grads) -> BackwardPlan:
-    """The Hopper backward's plan for the call whose tensors are env (ops.prefill.backward_tensors): the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq; accumulate_dq:
+    """The Hopper backward's plan for the call whose tensors are env (ops.prefill.backward_tensors):
+    the delta/LSE launch, the kernel into an fp32 dQ, dQ scaled into dq; accumulate_dq:
     dq (float32) gets dQ / softmax_scale added, by the kernel or (where its dS is scaled,
     backward_ds_unit) through a buffer of its own; dropout, varlen (a packed batch) and softcap as
     attention_backward's; delta (shaped like lse) gets delta when given; deterministic: dQ's

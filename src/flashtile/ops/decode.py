@@ -46,11 +46,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.ops import configs
+from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
 from flashtile.ops.host import dot_precision
 from flashtile.ops.masks import visible
 from flashtile.ops.mods import alibi_strides, kernel_scale, scores_log2
 from flashtile.ops.softmax import LN2, LOG2E, exp_minus, fold_sink
-from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
 
 
 @triton.jit
