@@ -18,7 +18,7 @@ four rotating caches, all in one process:
   barrier a tile), its P stays in registers for P V, and the warps' states merge once through a
   padded shared tile;
 - g2: g1 with the products turned round (S^T = K Q^T, O^T = V^T P^T) on the 8 real rows: the form
-  ops.decode._split_kernel_warps took (decode_probe_gluon.txt);
+  ops.decode_sm90._split_kernel_warps took (decode_probe_gluon.txt);
 - g3: g2 in a persistent launch of 1 or 2 programs an SM, each taking g2's programs as items of one
   stream of tiles, q copied through the ring (probe_gluon_p; compiled for sm_90 on the CPU, not yet
   run on a GPU);

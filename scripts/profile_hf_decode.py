@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from flashtile.ops import decoding
+
 
 def timed(fn, spent: list):
     """fn, with the wall time of each call appended to spent."""
@@ -64,7 +66,6 @@ def pieces(context: int, say) -> None:
     from flashtile import api
     from flashtile.bench.harness import wall_us
     from flashtile.integrations.transformers import attention_forward
-    from flashtile.ops import decode
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     query = torch.randn(1, 32, 1, 64, device=dev, dtype=dt)
@@ -93,7 +94,7 @@ def pieces(context: int, say) -> None:
         row("flashtile.flash_attn_with_kvcache", lambda: flashtile.flash_attn_with_kvcache(q, k, v, **options))
         row("api._plan_of_call (cached plan)", lambda: api._plan_of_call(q, k, v, None, None, call_args))
         row("DecodePlan.run", lambda: plan.run(q, k, v))
-        row("decode.decode_attention", lambda: decode.decode_attention(launch, q, k, v, want_lse=False))
+        row("decoding.decode_attention", lambda: decoding.decode_attention(launch, q, k, v, want_lse=False))
 
         def guard():
             with api._device_guard(q):

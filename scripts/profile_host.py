@@ -36,7 +36,7 @@ if not torch.cuda.is_available():  # the triton path on CPU tensors, with the la
 import flashtile  # noqa: E402
 from flashtile import _checks, api  # noqa: E402
 from flashtile.bench import harness  # noqa: E402
-from flashtile.ops import _launch, decode, prefill  # noqa: E402
+from flashtile.ops import _launch, decode, decoding, prefill  # noqa: E402
 
 
 def captured_launch(jit_kernel, call):
@@ -224,10 +224,10 @@ def main(out=None, decode_only=False):
         big_table = torch.randperm(256 * 256).view(256, 256).int()
         row("  check_cache_values, 256 sequences x 256 pages, append 1", lambda: _checks.check_cache_values(
             big, 256, 1, 4096, 256 * 256, table=big_table, page_size=16))
-        row("  decode.decode_attention (outputs + launch)", lambda: decode.decode_attention(
+        row("  decoding.decode_attention (outputs + launch)", lambda: decoding.decode_attention(
             plans["contiguous"]._launch, q, kc, vc))
         launch = plans["contiguous, append 1"]._launch
-        row("  decode.decode_attention, append 1 (outputs + launch)", lambda: decode.decode_attention(
+        row("  decoding.decode_attention, append 1 (outputs + launch)", lambda: decoding.decode_attention(
             launch, q, kc, vc, k, v))
     row("  2 x torch.empty (out, lse)", lambda: (torch.empty((b, 1, h, d), dtype=q.dtype, device=dev),
                                                  torch.empty((b, h, 1), dtype=torch.float32, device=dev)))

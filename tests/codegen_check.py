@@ -38,7 +38,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtile.ops import backward, backward_sm90, configs, decode, forward, forward_sm90, host, sm90
+from flashtile.ops import backward, backward_sm90, configs, decode, decode_sm90, forward, forward_sm90, host, sm90
 
 B = configs.BlockConfig
 KERNELS = {  # kernel, default tiles, the names they set
@@ -229,7 +229,7 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
     if warps:
         cfg = configs.BlockConfig(rows, 4 * configs.DECODE_WARP_KEYS * 128 // d, 4,
                                   configs.DECODE_WARP_STAGES)
-        kernel = decode._split_kernel_warps
+        kernel = decode_sm90._split_kernel_warps
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)
     const = dict(GROUP=8, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
@@ -274,7 +274,7 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
 
 
 def compile_combine(d: int, pdl: bool):
-    """ops.decode._combine_kernel as decode.prepare_combine launches it for fp16 partials of 64 splits."""
+    """ops.decode._combine_kernel as decoding.prepare_combine launches it for fp16 partials of 64 splits."""
     cfg = configs.combine_config(64, d)
     kernel = decode._combine_kernel
     names = [p.name for p in kernel.params]

@@ -306,7 +306,7 @@ def test_decoding_fused_merge_compiles_beside_the_loop(page_size):
                          ids=["contiguous", "fused", "launch-combine", "page16", "page64-fused", "d64", "d64-page48",
                               "page16-append", "d64-append-rotary", "rows16-fused", "d64-rows16-page16-append"])
 def test_decoding_warp_kernel_compiles(d, page_size, flag):
-    """The Gluon split kernel (ops.decode._split_kernel_warps, each warp on keys of its own)
+    """The Gluon split kernel (ops.decode_sm90._split_kernel_warps, each warp on keys of its own)
     compiles for sm_90 on every path plan() gives it: no spills, its 3-tile cp.async ring in 96 KB
     of shared memory at d=64 and 128 (the warps' states reuse the ring), with the append and rotary
     too, the fused

@@ -7,7 +7,7 @@ import torch
 from decode_check import check_kvcache
 
 from flashtile import DecodePlan, _checks, api, flash_attn_with_kvcache, merge_attention_states
-from flashtile.ops import configs
+from flashtile.ops import configs, decode_sm90, decoding
 
 
 def _call(**change):
@@ -615,15 +615,15 @@ def test_warp_kernel_plan_keeps_a_triton_launch_for_strided_caches(monkeypatch):
                 cache_leftpad=None, block_table=None, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
                 rotary_interleaved=False, softmax_scale=0.1, window=(-1, -1), softcap=0.0, num_splits=0,
                 max_keys=None)
-    p = decode.plan(4, 1, 16, 2, 128, torch.float16, torch.device("cuda", 0), **args)
-    assert p.split.kernel is decode._split_kernel_warps and p.num_splits == 8  # >= 8 tiles of 64 keys a split
+    p = decoding.plan(4, 1, 16, 2, 128, torch.float16, torch.device("cuda", 0), **args)
+    assert p.split.kernel is decode_sm90._split_kernel_warps and p.num_splits == 8  # >= 8 tiles of 64 keys a split
     fallback = p.split_any()
     assert fallback is p.split_any() and fallback.kernel is decode._split_kernel
     assert fallback.grid == p.split.grid and fallback.scalars == p.split.scalars
-    p = decode.plan(4, 1, 16, 2, 80, torch.float16, torch.device("cuda", 0), **args)
+    p = decoding.plan(4, 1, 16, 2, 80, torch.float16, torch.device("cuda", 0), **args)
     assert p.split.kernel is decode._split_kernel and p.split_any is None
     strided = torch.empty(2, 8, 128, 2).transpose(-1, -2)
-    assert decode._whole_rows(torch.empty(2, 8, 2, 128)) and not decode._whole_rows(strided)
+    assert decoding._whole_rows(torch.empty(2, 8, 2, 128)) and not decoding._whole_rows(strided)
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpret)])

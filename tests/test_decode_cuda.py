@@ -133,7 +133,7 @@ def test_features(case, dtype):
     check_kvcache(3, 2, 16, 2, 128, 2048, 2, dtype, "cuda", **case)
 
 
-# (b, sq, h, hk, capacity), d = 128 and no new keys unless given: what ops.decode._split_kernel_warps takes (at most 16
+# (b, sq, h, hk, capacity), d = 128 and no new keys unless given: what ops.decode_sm90._split_kernel_warps takes (at most 16
 # query rows a KV head, and b x hk <= the SMs or rows of >= 8 tiles; configs.decode_warp_tiles). "rows300": more
 # programs than an H100 has SMs, two resident on an SM
 WARP_SHAPES = {"gqa8": (4, 1, 16, 2, 4096), "gqa4": (8, 1, 32, 8, 2048), "mha": (3, 1, 8, 8, 1000),
@@ -189,12 +189,12 @@ def test_warp_kernel(case, dtype, monkeypatch):
     a cache whose rows it cannot copy whole (strided-cache) runs _split_kernel in the same plan.
     Each call's choice between the two (decode_attention asks _whole_rows of a plan that has both)
     is recorded: on sm_90 every call of a case took the Gluon kernel, or (strided-cache) none did."""
-    from flashtile.ops import decode
+    from flashtile.ops import decoding
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon split kernel runs on sm_90")
-    whole_rows, chose = decode._whole_rows, []
-    monkeypatch.setattr(decode, "_whole_rows", lambda cache: chose.append(whole_rows(cache)) or chose[-1])
+    whole_rows, chose = decoding._whole_rows, []
+    monkeypatch.setattr(decoding, "_whole_rows", lambda cache: chose.append(whole_rows(cache)) or chose[-1])
     case = dict(case)
     b, sq, h, hk, capacity = case.pop("shape")
     d, s_new = case.pop("d", 128), case.pop("s_new", 0)

@@ -660,11 +660,11 @@ class DecodePlan:
         self._sink_launch = None
 
     def _kernel_plan(self, has_sink=False):
-        from flashtile.ops import decode
+        from flashtile.ops import decoding
 
         b, sq, h, d = self._q_shape
-        return decode.plan(b, sq, h, self.cache_shape[2], d, self.dtype, self.device, seqlen_new=self.seqlen_new,
-                           **self._geometry, **self._args, **self._options, has_sink=has_sink)
+        return decoding.plan(b, sq, h, self.cache_shape[2], d, self.dtype, self.device, seqlen_new=self.seqlen_new,
+                             **self._geometry, **self._args, **self._options, has_sink=has_sink)
 
     @property
     def num_splits(self) -> int:
@@ -752,7 +752,6 @@ class DecodePlan:
                 window_size=options["window"], softcap=options["softcap"], compute_dtype=torch.float32,
                 learnable_sink=sink, **args)
             return out.to(q.dtype), lse
-        from flashtile.ops import decode
 
         if sink is None:
             launch = self._launch
@@ -762,8 +761,10 @@ class DecodePlan:
             launch = self._sink_launch
             if launch is None:
                 launch = self._sink_launch = self._kernel_plan(has_sink=True)
+        from flashtile.ops import decoding
+
         with _device_guard(q):
-            return decode.decode_attention(launch, q, k_cache, v_cache, k, v, want_lse, sink)
+            return decoding.decode_attention(launch, q, k_cache, v_cache, k, v, want_lse, sink)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -979,7 +980,8 @@ def merge_attention_states(out_partial, lse_partial, learnable_sink=None):
         from flashtile.reference.decoding import merge
 
         return merge(out_partial, lse_partial, sink=learnable_sink)
-    from flashtile.ops import decode
+
+    from flashtile.ops import decoding
 
     with _device_guard(out_partial):
-        return decode.merge_states(out_partial, lse_partial, learnable_sink)
+        return decoding.merge_states(out_partial, lse_partial, learnable_sink)

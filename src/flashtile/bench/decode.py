@@ -284,7 +284,7 @@ def _graph_us(fn, q, buffers, rep: float = 100.0) -> float:
 
 def chosen_splits(batch, context, h, hk, dtype, page_size=0, sq=1) -> int:
     """The num_splits flashtile's heuristic picks for this shape (recorded with each row), as
-    ops.decode.plan picks it: configs.decode_warp_tiles' where the Gluon split kernel runs."""
+    ops.decoding.plan picks it: configs.decode_warp_tiles' where the Gluon split kernel runs."""
     from flashtile.ops import configs
 
     device = torch.device(DEVICE)

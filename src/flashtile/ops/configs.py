@@ -496,7 +496,7 @@ DECODE_WARP_MIN_TILES = 8  # past one program an SM, _split_kernel_warps needs r
 
 def decode_warp_tiles(rows: int, d: int, dtype: torch.dtype, device: torch.device, kv_rows: int, max_keys: int,
                       num_splits: int) -> tuple[BlockConfig, int] | None:
-    """(tiles, splits) for ops.decode._split_kernel_warps (each warp on keys of its own) where it
+    """(tiles, splits) for ops.decode_sm90._split_kernel_warps (each warp on keys of its own) where it
     measured faster than _split_kernel, else None: on sm_90, fp16 / bf16, d=64 or 128, at most 16 query
     rows a KV head (rows = seqlen_q x nheads / nheads_k), and either a grid of at most one program
     an SM (kv_rows = batch x nheads_k programs, times the splits) or rows of at least

@@ -1,8 +1,8 @@
 """Which kernel runs a call, and why: decided here and nowhere else.
 
 The kernels, fastest first where they apply:
-  hopper       the Gluon kernels for sm_90 (ops.forward_sm90, ops.backward_sm90)
-  triton       the portable Triton kernels (ops.forward, ops.backward), any CUDA GPU Triton targets
+  hopper       the Gluon kernels for sm_90 (ops.forward_sm90, ops.backward_sm90, ops.decode_sm90)
+  triton       the portable Triton kernels (ops.forward, ops.backward, ops.decode), any CUDA GPU
   interpreter  the same Triton kernels on CPU tensors under TRITON_INTERPRET=1 (tests, CPU users)
   reference    the PyTorch reference (flashtile.reference), on CPU tensors without the interpreter
 
@@ -85,6 +85,25 @@ def prefill_kernel(pass_: str, d: int, dtype: torch.dtype, device: torch.device,
     if configs.on_gpu(device):
         return Choice("triton", "the portable kernel", (("hopper", why_not),)), None
     return Choice("interpreter", "CPU tensors under TRITON_INTERPRET=1", (("hopper", why_not),)), None
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_kernel(rows: int, d: int, dtype: torch.dtype, device: torch.device, kv_rows: int, max_keys: int,
+                  num_splits: int, generation: int) -> tuple[Choice, object]:
+    """(the choice, the Gluon split kernel's (tiles, splits) or None) for a decoding step: rows query
+    rows a KV head, kv_rows = batch x KV heads, max_keys the longest key range (configs.decode_warp_tiles'
+    arguments); generation: configs.generation."""
+    from flashtile.ops import configs
+
+    warps = configs.decode_warp_tiles(rows, d, dtype, device, kv_rows, max_keys, num_splits)
+    if warps is not None:
+        return Choice("hopper", f"sm_90, {str(dtype).replace('torch.', '')}, head dim {d}, {rows} rows a KV head: "
+                                "each warp on keys of its own"), warps
+    why_not = configs.hopper_refusal(d, dtype, device) or (
+        "configs.decode_warp_tiles keeps the Triton kernel here (it takes d=64/128, <= 16 rows a KV head, and a grid "
+        "of at most one program an SM or long rows: docs/tuning.md)")
+    portable = "triton" if configs.on_gpu(device) else "interpreter"
+    return Choice(portable, "the portable split kernel", (("hopper", why_not),)), None
 
 
 def report(pass_: str, description: str, choice: Choice) -> None:
