@@ -39,6 +39,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashtile.ops import backward, backward_sm90, configs, decode, decode_sm90, forward, forward_sm90, host, sm90
+from flashtile.ops.mods import Mods
 
 B = configs.BlockConfig
 KERNELS = {  # kernel, default tiles, the names they set
@@ -69,8 +70,8 @@ def compile_sm90(name: str, d: int, blocks=None, flags=None):
     blocks = tuple(blocks or default)
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)
-    const = dict(Slopes=None, HEAD_DIM=d, BLOCK_D=block_d, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False,
-                 HAS_ALIBI=False, EVEN_D=d == block_d, DOT_PRECISION="ieee", stride_slope_b=0,
+    const = dict(Slopes=None, HEAD_DIM=d, BLOCK_D=block_d, MODS=Mods(right=True), EVEN_D=d == block_d,
+                 DOT_PRECISION="ieee", stride_slope_b=0,
                  stride_slope_h=0, **PARTS[name])
     const.update({field: blocks[i] for field, i in fields.items()})
     flags = {**dict(IS_VARLEN=False, HAS_SEQUSED=False, PAGE_SIZE=0, HAS_DROPOUT=False, HAS_SINK=False),
@@ -132,10 +133,10 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     cfg = configs.hopper_forward_tiles(d)
     kernel = forward_sm90._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
-    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
+    const = dict(MODS=Mods(right=causal, softcap=softcap, alibi=alibi), NUM_STAGES=cfg.num_stages,
                  Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
                  HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
-                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
+                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink,
                  HEAD_CHUNKED=configs.hopper_forward_chunked(d, causal), HEAD_DIM=head_dim, O_TMA=o_tma)
     if not alibi:
         const["Slopes"] = None
@@ -176,11 +177,11 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     cfg = configs.hopper_backward_tiles(d, dropout, softcap)
     kernel = backward_sm90._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
-    const = dict(HAS_LEFT=False, HAS_RIGHT=causal, NUM_STAGES=cfg.num_stages,
+    const = dict(MODS=Mods(right=causal, softcap=softcap, alibi=alibi), NUM_STAGES=cfg.num_stages,
                  DEFER_DQ=configs.hopper_backward_defer_dq(d, causal, deterministic),
                  SPLIT_D=configs.hopper_backward_split_d(d),
-                 HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None, HAS_SOFTCAP=softcap,
-                 HAS_ALIBI=alibi, HEAD_CHUNKED=configs.hopper_backward_chunked(d, causal, deterministic),
+                 HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None,
+                 HEAD_CHUNKED=configs.hopper_backward_chunked(d, causal, deterministic),
                  HEAD_DIM=head_dim, DETERMINISTIC=deterministic)
     if not deterministic:
         const["Turns"] = None
@@ -233,9 +234,9 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)
     const = dict(GROUP=8, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
-                 HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
+                 MODS=Mods(), ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
                  ROTARY_BY_ROW=False, DOT_PRECISION="ieee", EVEN_D=d == block_d, HAS_SEQLENS=True,
-                 HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_ALIBI=False, FUSED_COMBINE=fused,
+                 HAS_BATCH_IDX=False, HAS_LEFTPAD=False, FUSED_COMBINE=fused,
                  MERGE_UNROLL=configs.DECODE_MERGE_UNROLL,
                  HAS_SINK=False, APPEND=append, BLOCK_T=1, LAUNCH_COMBINE=launch_combine,
                  Sink=None, BatchIdx=None, LeftPad=None, Slopes=None, Cos=None, Sin=None)

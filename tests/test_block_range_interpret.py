@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops.masks import block_range, dq_order, dq_turn
+from flashtile.ops.mods import Mods
 from flashtile.ops.schedule import key_block_program
 
 pytestmark = pytest.mark.interpret
@@ -56,20 +57,19 @@ def test_block_range_is_tight_and_safe(sq, sk, window, blocks):
 
 @triton.jit
 def _launch_turns_kernel(Turns, Launched, sq, sk, left, right, n_row_blocks, n_rows, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HEAD_CHUNK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                         HAS_RIGHT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, HEAD_CHUNK: tl.constexpr, MODS: tl.constexpr):
     """The deterministic Hopper backward's programs as its kernel finds them (key_block_program,
     then the rows block_range gives and the turns dq_order / dq_turn give): Turns[row, key block,
     Q block], and Launched[row, key block] = the launch index (x fastest, then y, then z)."""
     n_kb = tl.cdiv(sk, BLOCK_N)
-    n, row = key_block_program(n_kb, n_rows, HEAD_CHUNK, HEAD_CHUNK != 1, True, HAS_RIGHT)
+    n, row = key_block_program(n_kb, n_rows, HEAD_CHUNK, HEAD_CHUNK != 1, True, MODS)
     lin = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
     tl.store(Launched + row * n_kb + n, lin)
-    lo, _, _, hi = block_range(n * BLOCK_N, BLOCK_N, BLOCK_M, sq, sq - sk, right, left, HAS_RIGHT, HAS_LEFT)
-    a, c = dq_order(n, n_kb, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
+    lo, _, _, hi = block_range(n * BLOCK_N, BLOCK_N, BLOCK_M, sq, sq - sk, right, left, MODS.right, MODS.left)
+    a, c = dq_order(n, n_kb, sq, sk, left, right, BLOCK_M, BLOCK_N, MODS)
     for start_m in range(lo, hi, BLOCK_M):
         tl.store(Turns + (row * n_kb + n) * n_row_blocks + start_m // BLOCK_M,
-                 dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
+                 dq_turn(start_m, a, c, BLOCK_N, MODS))
 
 
 def launch_turns(sq, sk, window, blocks, rows, chunk):
@@ -83,8 +83,8 @@ def launch_turns(sq, sk, window, blocks, rows, chunk):
     launched = torch.full((n_rows, n_kb), -1, dtype=torch.int32)
     grid = (n_kb, hk, batch) if chunk == 1 else (n_kb * n_rows, 1, 1)
     _launch_turns_kernel[grid](turns, launched, sq, sk, max(left, 0), right if right >= 0 else 0, n_row_blocks,
-                               n_rows, BLOCK_M=bm, BLOCK_N=bn, HEAD_CHUNK=chunk, HAS_LEFT=left >= 0,
-                               HAS_RIGHT=right >= 0)
+                               n_rows, BLOCK_M=bm, BLOCK_N=bn, HEAD_CHUNK=chunk,
+                               MODS=Mods(left=left >= 0, right=right >= 0))
     return turns, launched
 
 

@@ -196,7 +196,7 @@ MODIFIER_SPILLS = {
 @pytest.mark.parametrize("kernel", ["forward-sm90", "backward-sm90"])
 @pytest.mark.parametrize("modifier", ["--softcap", "--alibi"])
 def test_hopper_kernels_compile_with_score_modifiers(modifier, kernel, d):
-    """HAS_SOFTCAP and HAS_ALIBI in both Hopper kernels (alone, causal, with dropout, packed; ALiBi
+    """MODS.softcap and MODS.alibi in both Hopper kernels (alone, causal, with dropout, packed; ALiBi
     also capped): asynchronous wgmmas, the register split and shared memory of the kernels without
     them, and no int-to-float conversion per column of a block (alibi_sm90 makes those floats by an
     integer add; the PTX keeps at most 12, the rows', where one per column made 138 in the d=128

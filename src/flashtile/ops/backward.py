@@ -46,7 +46,7 @@ from flashtile.ops.host import (
     varlen_args,
 )
 from flashtile.ops.masks import block_range, head_dim_mask, in_window, load_tile_pair, lse_row_base, seq_bounds, visible
-from flashtile.ops.mods import alibi_strides, kernel_scale, scores_log2
+from flashtile.ops.mods import Mods, alibi_strides, kernel_scale, scores_log2
 from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.preprocess import _delta_kernel
 from flashtile.ops.schedule import head_chunked_order
@@ -81,8 +81,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, tma_row0, 
                stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed, bh, threshold,
                dropout_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+               MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if USE_TMA:  # the copy engine zero-fills rows past the tensor and head dims past d; rows of the
@@ -102,12 +101,12 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, tma_row0, 
     else:
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
     s2_t, dcap_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, softcap, slope,
-                               diag_offset, HAS_SOFTCAP, HAS_ALIBI)
+                               diag_offset, MODS)
     p_t = tl.exp2(s2_t - lse2[None, :])
     # Bounds need no mask here: rows past sq load zeros with an LSE of +inf, so P = 0 there; keys
     # past sk only reach their own dK/dV rows, which are never stored.
-    if MASKED and (HAS_LEFT or HAS_RIGHT):
-        ok = in_window(offs_m[None, :], offs_n[:, None], diag_offset, left, right, HAS_LEFT, HAS_RIGHT)
+    if MASKED and (MODS.left or MODS.right):
+        ok = in_window(offs_m[None, :], offs_n[:, None], diag_offset, left, right, MODS)
         p_t = tl.where(ok, p_t, 0.0)
     if HAS_DROPOUT:  # the forward's mask in this orientation; dv is scaled by 1 / (1 - p) at the end
         keep_t = dropout_keep(seed, bh, start_m, BLOCK_M, start_n, BLOCK_N, threshold, True)
@@ -131,8 +130,7 @@ def _dkdv_program(
     stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
     qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MODS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dK, dV of keys [start_n, start_n + BLOCK_N) of K/V head hk, summed over its query heads.
@@ -163,7 +161,7 @@ def _dkdv_program(
 
     # Rows that can see this key block: the block_range of keys-over-rows (offset and sides swap).
     lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
-                                           HAS_RIGHT, HAS_LEFT)
+                                           MODS.right, MODS.left)
     n_heads = group
     if IS_VARLEN:  # a key block past its sequence's end (the grid covers the longest) does nothing
         n_heads = tl.where(start_n < sk, group, 0)
@@ -171,7 +169,7 @@ def _dkdv_program(
         h = hk * group + g
         bh = b * nheads + h
         slope = 0.0
-        if HAS_ALIBI:
+        if MODS.alibi:
             slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
         do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + tl.cast(q_start, tl.int64) * stride_dom
@@ -183,21 +181,21 @@ def _dkdv_program(
                                 delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
                                 softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
                                 bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, True,
-                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                EVEN_D, USE_TMA, MODS, DOT_PRECISION,
                                 HAS_DROPOUT)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
                                 delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
                                 softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
                                 bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, False,
-                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                EVEN_D, USE_TMA, MODS, DOT_PRECISION,
                                 HAS_DROPOUT)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
                                 delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
                                 softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
                                 bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, True,
-                                EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                EVEN_D, USE_TMA, MODS, DOT_PRECISION,
                                 HAS_DROPOUT)
 
     dk = dk * softmax_scale
@@ -217,8 +215,7 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, tma_
              d_mask, seed, bh, threshold, dropout_scale,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-             HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+             MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One K/V block against the fixed Q block."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:  # zero-filled past the tensor and d; keys past sk (the next sequence's, or zeros)
@@ -231,10 +228,10 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, tma_
         k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
     s2, dcap = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
-                           diag_offset, HAS_SOFTCAP, HAS_ALIBI)
+                           diag_offset, MODS)
     p = tl.exp2(s2 - lse2[:, None])
     if MASKED:
-        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, MODS)
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
     if HAS_DROPOUT:
@@ -255,8 +252,7 @@ def _dq_program(
     nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed, threshold,
     dropout_scale, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MODS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WRITE_DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr,
 ):
     """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk); DQ_ADD: dQ /
@@ -285,7 +281,7 @@ def _dq_program(
     else:
         lse2, delta = _load_rows(Lse + row_base, Delta + row_base, offs_m, sq, True)
     slope = 0.0
-    if HAS_ALIBI:
+    if MODS.alibi:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
@@ -298,7 +294,7 @@ def _dq_program(
     bh = b * nheads + h
 
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
-                                           HAS_LEFT, HAS_RIGHT)
+                                           MODS.left, MODS.right)
     if IS_VARLEN:  # a row block past its sequence's end (the grid covers the longest) does nothing
         hi = tl.where(start_m < sq, hi, lo)
         full_lo = tl.minimum(full_lo, hi)
@@ -307,19 +303,19 @@ def _dq_program(
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
                       start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
                       k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
-                      BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                      BLOCK_D, True, EVEN_D, USE_TMA, MODS,
                       DOT_PRECISION, HAS_DROPOUT)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
                       start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
                       k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
-                      BLOCK_D, False, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                      BLOCK_D, False, EVEN_D, USE_TMA, MODS,
                       DOT_PRECISION, HAS_DROPOUT)
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
                       start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
                       k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
-                      BLOCK_D, True, EVEN_D, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                      BLOCK_D, True, EVEN_D, USE_TMA, MODS,
                       DOT_PRECISION, HAS_DROPOUT)
 
     dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqm \
@@ -350,8 +346,7 @@ def _bwd_kernel(
     n_programs, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, DKDV: tl.constexpr, DQ: tl.constexpr,
     DKDV_TMA: tl.constexpr, DQ_TMA: tl.constexpr, HEAD_CHUNK: tl.constexpr, WRITE_DELTA: tl.constexpr,
-    PDL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr, MODS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr,
 ):
     """Grid of n_programs x (batch x kv heads) in the order of ops.schedule.head_chunked_order. With
@@ -386,7 +381,7 @@ def _bwd_kernel(
             stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
             stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
             qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale, HEAD_DIM,
-            BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D, DKDV_TMA,
+            BLOCK_D, BLOCK_M1, BLOCK_N1, MODS, EVEN_D, DKDV_TMA,
             DOT_PRECISION, PDL, IS_VARLEN, HAS_DROPOUT)
     else:
         # Consecutive programs take the group's heads for one Q block. With a right-bounded mask
@@ -396,7 +391,7 @@ def _bwd_kernel(
             gdc_launch_dependents()
         j = pid - first_dq
         pid_m = j // group
-        if HAS_RIGHT:
+        if MODS.right:
             pid_m = m_blocks - 1 - pid_m
         h = hk * group + j % group
         _dq_program(
@@ -407,7 +402,7 @@ def _bwd_kernel(
             stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b,
             stride_slope_h, nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed,
             threshold, dropout_scale, HEAD_DIM,
-            BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, EVEN_D,
+            BLOCK_D, BLOCK_M2, BLOCK_N2, MODS, EVEN_D,
             DQ_TMA, DOT_PRECISION, WRITE_DELTA, IS_VARLEN, HAS_DROPOUT, DQ_ADD)
 
 
@@ -471,8 +466,7 @@ def plan(env: list, softmax_scale: float, window: tuple, softcap: float, varlen,
     scalars = (*strides, *alibi_strides(alibi_slopes), b, h, hk, sq, sk, total_q, total_k,
                left or 0, right or 0, qk_scale, softcap, softmax_scale, threshold, dropout_scale)
     flags = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
-                 BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, HAS_LEFT=left is not None,
-                 HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+                 BLOCK_M2=cfg.dq.block_m, BLOCK_N2=cfg.dq.block_n, MODS=Mods.of(window, softcap, alibi_slopes),
                  EVEN_D=d == block_d, DKDV_TMA=dkdv_descs[0] is not None, DQ_TMA=dq_descs[0] is not None,
                  DOT_PRECISION=dot_precision(q.dtype), IS_VARLEN=vl_flags["IS_VARLEN"],
                  HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_DROPOUT=has_dropout, DQ_ADD=accumulate_dq)

@@ -60,6 +60,7 @@ from flashtile.ops.host import (
 )
 from flashtile.ops.masks import block_range, dq_order, dq_turn, seq_bounds, visible
 from flashtile.ops.mods import (
+    Mods,
     alibi_refusal,
     alibi_sm90,
     alibi_strides,
@@ -124,19 +125,19 @@ def _dq_counted(counter):
 @gluon.jit
 def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads, rows_pad,
                        start_n, lo, n_m, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                       MODS: gl.constexpr):
     """dQ writer partition (DETERMINISTIC, not with SPLIT_D): step by step (the consumers' order) it
     waits for the step's Q block to have had every earlier addition (dq_turn, on its counter in
     Turns: one per Q block of rows_pad and query head, b the sequence or batch), then for both
     consumers' parts of the dQ tile, reduces them into the fp32 dQ at (tb, q0 + rows) by TMA (as
     _bwd_sm90_dq_out's), hands the buffers back once read and counts its addition once complete."""
-    a, c = dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_RIGHT)
+    a, c = dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, MODS)
     m_blocks = rows_pad // BLOCK_M
     for i in range(group * n_m):
         h = hk * group + i // n_m
         start_m = lo + (i % n_m) * BLOCK_M
         counter = Turns + (b * nheads + h).to(gl.int64) * m_blocks + start_m // BLOCK_M
-        _dq_wait_turn(counter, dq_turn(start_m, a, c, BLOCK_N, HAS_LEFT, HAS_RIGHT))
+        _dq_wait_turn(counter, dq_turn(start_m, a, c, BLOCK_N, MODS))
         for half in gl.static_range(2):
             mbarrier.wait(dq_full.index(half), i & 1)
             _bwd_sm90_reduce_dq(dq_desc, dq_bufs.index(half), tb, q0 + start_m, h, half, BLOCK_M)
@@ -185,9 +186,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                       dq_bufs, handoff, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk,
                       group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap,
                       dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
-                      stride_dvh, Slopes, stride_slope_b, stride_slope_h, HAS_LEFT: gl.constexpr,
-                      HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                      stride_dvh, Slopes, stride_slope_b, stride_slope_h, MODS: gl.constexpr, DEFER_DQ: gl.constexpr,
+                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HEAD_DIM: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
@@ -195,8 +195,8 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     dQ product ahead of its own S^T, so that product's trip out (shared memory, TMA reduce-add)
     runs under S^T; no product is left in flight from one step to the next (ptxas would serialise
     every wgmma), so the first step is peeled off. Otherwise each step ends with its own dQ.
-    HAS_SOFTCAP: the scores are capped (capped_sm90; qk_scale and softcap are softcap_scales')
-    and dS takes the cap's derivative, as in the Triton programs. HAS_ALIBI: P^T is recomputed with
+    MODS.softcap: the scores are capped (capped_sm90; qk_scale and softcap are softcap_scales')
+    and dS takes the cap's derivative, as in the Triton programs. MODS.alibi: P^T is recomputed with
     the forward's bias (alibi_sm90; each step reads its head's slope of Slopes, (h,) or (b, h));
     dS needs nothing more, the bias being constant in S. HAS_DROPOUT: P^T and dP^T see the
     forward's keep-mask (made while S^T is computed), dV is scaled by 1 / (1 - p) at the end, as
@@ -233,9 +233,9 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         seed = (0, 0, 0)
         delta_unit = 1.0
     drop = (seed, b * nheads + hk * group, threshold, dropout_scale, delta_unit)  # bh of step i: drop[1] + i // n_m
-    if HAS_ALIBI:  # step i's slope: alibi[0] + (i // n_m) * alibi[1], times alibi[2]
+    if MODS.alibi:  # step i's slope: alibi[0] + (i // n_m) * alibi[1], times alibi[2]
         alibi = (Slopes + b * stride_slope_b + hk * group * stride_slope_h, stride_slope_h,
-                 alibi_unit_sm90(qk_scale, HAS_SOFTCAP))
+                 alibi_unit_sm90(qk_scale, MODS))
     else:
         alibi = (0, 0, 0.0)
     if SPLIT_D:
@@ -246,8 +246,7 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                           q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
                                           n_m,
                                           full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, start_n,
-                                          dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_DROPOUT,
-                                          HAS_ALIBI)
+                                          dq_zero, drop, alibi, MODS, HAS_DROPOUT)
     elif n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
@@ -256,19 +255,19 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
                                     group, lo,
                                     n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
-                                    s_zero, dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, True, False, HAS_SOFTCAP,
-                                    HAS_DROPOUT, HAS_ALIBI, DETERMINISTIC)
+                                    s_zero, dq_zero, drop, alibi, MODS, True, False,
+                                    HAS_DROPOUT, DETERMINISTIC)
         for i in range(1 if DEFER_DQ else 0, n_steps):
             dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
                                     dq_bufs, handoff, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk,
                                     group, lo,
                                     n_m,
                                     full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
-                                    s_zero, dq_zero, drop, alibi, HAS_LEFT, HAS_RIGHT, DEFER_DQ, DEFER_DQ, HAS_SOFTCAP,
-                                    HAS_DROPOUT, HAS_ALIBI, DETERMINISTIC)
+                                    s_zero, dq_zero, drop, alibi, MODS, DEFER_DQ, DEFER_DQ,
+                                    HAS_DROPOUT, DETERMINISTIC)
         if DEFER_DQ:
             last = n_steps - 1
-            NAMED_DS: gl.constexpr = not HAS_ALIBI  # _bwd_sm90_step's, DEFER_DQ being set here
+            NAMED_DS: gl.constexpr = not MODS.alibi  # _bwd_sm90_step's, DEFER_DQ being set here
             dq = warpgroup_mma_wait(0, deps=(_bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, last, half, dq_zero,
                                                                   NAMED_DS), ))
             _bwd_sm90_dq_out(dq_desc, dq_bufs, handoff, dq, last, tb, q0 + lo + (last % n_m) * BLOCK_M,
@@ -314,8 +313,7 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
 def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, handoff,
                    q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
                    diag_offset, left, right, qk_scale, softcap, key0, offs_n, s_zero, dq_zero, drop, alibi,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr,
-                   HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                   MODS: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                    DETERMINISTIC: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
     and dK += dS^T Q for its 64 keys, its dS^T into shared memory; then its dQ, or with DEFER_DQ
@@ -333,7 +331,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     stage = i % NUM_STAGES
     phase = (i // NUM_STAGES) & 1
     start_m = lo + (i % n_m) * BLOCK_M
-    NAMED_DS: gl.constexpr = DEFER_DQ and not HAS_ALIBI  # dS^T handed over on named barriers (_bwd_sm90_ds_stored)
+    NAMED_DS: gl.constexpr = DEFER_DQ and not MODS.alibi  # dS^T handed over on named barriers (_bwd_sm90_ds_stored)
     if HAS_PREV:
         dq_tok = _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i - 1, half, dq_zero, NAMED_DS)
     mbarrier.wait(q_ready.index(stage), phase)
@@ -352,21 +350,21 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
         seed, bh0, threshold, _, delta_unit = drop
         w0, w1 = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
         keep_words = (dropout_keep_bits_sm90(w0, threshold), dropout_keep_bits_sm90(w1, threshold))
-    if HAS_ALIBI:
+    if MODS.alibi:
         slopes, stride_slope_h, unit = alibi
         slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
     s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
-    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
+    if MODS.softcap:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
         s_t, r = capped_sm90(s_t, qk_scale, softcap)
         dcap = cap_derivative_sm90(r)
-    if HAS_ALIBI:  # the forward's bias: queries along S^T's columns, keys along its rows
+    if MODS.alibi:  # the forward's bias: queries along S^T's columns, keys along its rows
         queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
         s_t = alibi_sm90(s_t, offs_n, queries, slope)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
-    p_t = gl.exp2(s_t * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[None, :])
+    p_t = gl.exp2(s_t * (1.0 if MODS.softcap else qk_scale) - lse_bufs.index(stage).load(row_layout)[None, :])
     if (start_m < full_lo) | (start_m >= full_hi):
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(offs_m[None, :], offs_n[:, None], diag_offset, sk, left, right, MODS)
         p_t = gl.where(ok, p_t, 0.0)
     if HAS_DROPOUT:  # P >= 0, so its sign can carry the keep-mask to dP^T: P' = P kept, -P dropped
         p_t = dropout_sign_sm90(p_t, keep_words, BLOCK_M, HALF_N, True)
@@ -374,7 +372,7 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     else:
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-    if HAS_SOFTCAP:  # from here on P only makes dS: P times the cap's derivative (>= 0, P's sign stays)
+    if MODS.softcap:  # from here on P only makes dS: P times the cap's derivative (>= 0, P's sign stays)
         p_t = p_t * dcap
     dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
     delta = delta_bufs.index(stage).load(row_layout)[None, :]
@@ -454,8 +452,8 @@ def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero, NAMED: gl.
 def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, q_ready,
                          do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
                          diag_offset, left, right, qk_scale, softcap, start_n, dq_zero, drop, alibi,
-                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                         HAS_DROPOUT: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                         MODS: gl.constexpr,
+                         HAS_DROPOUT: gl.constexpr):
     """Step i with SPLIT_D (FA3's schedule at d=256). The warpgroups split S = Q K^T and dP = dO V^T
     by keys, 32 each, and leave their columns of P and dS in shared memory; once both have, each
     takes dV += P^T dO, dK += dS^T Q and dQ = dS K in its half of the head dim, all operands from
@@ -491,30 +489,30 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
     if HAS_DROPOUT:
         seed, bh0, threshold, dropout_scale, _ = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
-    if HAS_ALIBI:
+    if MODS.alibi:
         slopes, stride_slope_h, unit = alibi
         slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    if HAS_SOFTCAP:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
+    if MODS.softcap:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
         s, r = capped_sm90(s, qk_scale, softcap)
         dcap = cap_derivative_sm90(r)
-    if HAS_ALIBI:  # the forward's bias
+    if MODS.alibi:  # the forward's bias
         queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
         keys = start_n + half * OWN_N + gl.arange(0, OWN_N, layout=gl.SliceLayout(0, s_layout))
         s = alibi_sm90(s, queries, keys, slope)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
-    p = gl.exp2(s * (1.0 if HAS_SOFTCAP else qk_scale) - lse_bufs.index(stage).load(row_layout)[:, None])
+    p = gl.exp2(s * (1.0 if MODS.softcap else qk_scale) - lse_bufs.index(stage).load(row_layout)[:, None])
     if (start_m < full_lo) | (start_m >= full_hi):
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         offs_n = start_n + half * OWN_N + gl.arange(0, OWN_N, layout=gl.SliceLayout(0, s_layout))
-        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, MODS)
         p = gl.where(ok, p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
     if HAS_DROPOUT:
         keep = dropout_keep_sm90(words, threshold, s_layout, BLOCK_M, OWN_N, False)
         dp = gl.where(keep, dp * dropout_scale, 0.0)
     ds = p * (dp - delta_bufs.index(stage).load(row_layout)[:, None])
-    if HAS_SOFTCAP:
+    if MODS.softcap:
         ds = ds * dcap
     if HAS_DROPOUT:  # dV's operand
         p = gl.where(keep, p, 0.0)
@@ -593,10 +591,10 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                      CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, Turns, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, head_chunk, qk_scale, dk_scale, threshold,
                      dropout_scale, total_q, total_k, softcap, stride_slope_b, stride_slope_h,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                     MODS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     HAS_ALIBI: gl.constexpr, HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr,
                      DETERMINISTIC: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask (with
     DETERMINISTIC under a right bound, the last key block first: see below); or
@@ -609,9 +607,9 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     d) views; DK, DV its gradients, (total_k, hk, d)) whose `batch` counts sequences, sq / sk the
     longest: a program finds its sequence in cu_seqlens (seq_bounds); a key block past its end
     does nothing, and one that runs into the next sequence masks every step (those keys' rows of
-    P^T are zero, so nothing of them reaches dQ). HAS_SOFTCAP: capped scores (capped_sm90; qk_scale
+    P^T are zero, so nothing of them reaches dQ). MODS.softcap: capped scores (capped_sm90; qk_scale
     and softcap are softcap_scales'). dk_scale: dK's factor, softmax_scale times backward_ds_unit.
-    HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. HEAD_DIM: the
+    MODS.alibi: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides. HEAD_DIM: the
     tensors' head dim; the boxes may be wider (configs.hopper_head_dim), their columns past it read
     as zeros and clipped on the way out. DETERMINISTIC (not with SPLIT_D): dQ's additions into a
     Q block come in a fixed order, the one in which the programs reach it (dq_order), counted in
@@ -628,7 +626,7 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
     gl.static_assert(not (DETERMINISTIC and SPLIT_D), "SPLIT_D's dQ has no writer partition")
     pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, head_chunk, HEAD_CHUNKED, DETERMINISTIC,
-                                 HAS_RIGHT)
+                                 MODS)
     start_n = pid * BLOCK_N
     # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):
     # reading them off the z and y axes measured slower (docs/tuning.md)
@@ -640,7 +638,7 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     diag_offset = sk - sq
     # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
     lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
-                                           HAS_RIGHT, HAS_LEFT)
+                                           MODS.right, MODS.left)
     n_m = gl.cdiv(hi - lo, BLOCK_M)
     if IS_VARLEN:
         n_m = gl.where(start_n < sk, n_m, 0)
@@ -693,21 +691,20 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                                  ds_ready, done, 0, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
                                  sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
                                  dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
-                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
+                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
             (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                                  ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
                                  ds_ready, done, 1, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
                                  sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
                                  dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
-                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
+                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
             (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                               lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
                               rows_pad, start_n, lo, n_m)),
             (_bwd_sm90_write_dq, (dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads,
-                                  rows_pad, start_n, lo, n_m, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                  HAS_RIGHT)),
+                                  rows_pad, start_n, lo, n_m, sq, sk, left, right, BLOCK_M, BLOCK_N, MODS)),
         ], [4, 1, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -716,15 +713,15 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                                  ds_ready, done, 0, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
                                  sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
                                  dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
-                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
+                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
             (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                                  ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
                                  ds_ready, done, 1, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
                                  sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
                                  dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, DEFER_DQ, HAS_SOFTCAP,
-                                 HAS_DROPOUT, IS_VARLEN, HAS_ALIBI, HEAD_DIM, DETERMINISTIC)),
+                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
+                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
             (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                               lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
                               rows_pad, start_n, lo, n_m)),
@@ -827,10 +824,10 @@ def plan(env: list, cfg, softmax_scale, window, softcap, varlen, dropout, accumu
         (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, chunk, qk_scale, softmax_scale * ds_unit,
          threshold, dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
         cfg.num_warps, None, HOPPER_MAXNREG,
-        dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
+        dict(MODS=Mods.of(window, softcap, alibi_slopes), NUM_STAGES=cfg.num_stages,
              DEFER_DQ=configs.hopper_backward_defer_dq(dp, right is not None, deterministic), SPLIT_D=split,
-             HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
-             HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=chunked, HEAD_DIM=d, DETERMINISTIC=deterministic))
+             HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
+             HEAD_CHUNKED=chunked, HEAD_DIM=d, DETERMINISTIC=deterministic))
     # then dq = the sum scaled, or (accumulate_dq) dq += it from a buffer of its own, at ds_unit
     dq_scale = softmax_scale * ds_unit if not accumulate_dq else ds_unit if own_dq else 0.0
     return BackwardPlan((delta_launch, kernel_launch), zero_grads, False, b * h * rows_pad, own_dq, n_turns,

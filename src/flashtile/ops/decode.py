@@ -135,7 +135,7 @@ def _append_rows(KNew, VNew, K, V, table, n_cache, t_first, t_last, capacity, ca
 @triton.jit
 def _split_keys(Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity,
                 cache_rows, num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODS: tl.constexpr,
                 HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
     """What a split program of (batch b, M block at start_m) reads, in either split kernel: (n_given,
     n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end). The keys any row of
@@ -161,9 +161,9 @@ def _split_keys(Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seq
 
     lo = 0
     hi = seqlen_k
-    if HAS_LEFT:
+    if MODS.left:
         lo = tl.maximum(start_m // GROUP + diag_offset - left, 0)
-    if HAS_RIGHT:
+    if MODS.right:
         last_i = tl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
         hi = tl.minimum(hi, tl.maximum(last_i + diag_offset + right + 1, 0))
     hi = tl.minimum(hi + pad, capacity)
@@ -218,11 +218,11 @@ def _split_kernel(
     seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
     left, right, qk_scale, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MODS: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr,
     APPEND: tl.constexpr, BLOCK_T: tl.constexpr, LAUNCH_COMBINE: tl.constexpr,
 ):
     """Attention of one (batch, kv head, M block) over one split of its keys, after appending
@@ -263,7 +263,7 @@ def _split_kernel(
 
     n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end = _split_keys(
         Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows,
-        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, MODS,
         HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD)
 
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -289,7 +289,7 @@ def _split_kernel(
     else:
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
     slope = 0.0
-    if HAS_ALIBI:
+    if MODS.alibi:
         slope = tl.load(Slopes + b * stride_slope_b + head * stride_slope_h)[:, None]
 
     table = BlockTable  # None for a contiguous cache
@@ -329,11 +329,10 @@ def _split_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         j = pos - pad  # logical key index
         s2, _ = scores_log2(qk, i[:, None], j[None, :], qk_scale, softcap, slope, diag_offset,
-                            HAS_SOFTCAP, HAS_ALIBI)
+                            MODS)
         ok = key_ok[None, :]
-        if HAS_LEFT or HAS_RIGHT:
-            ok = ok & visible(i[:, None], j[None, :], diag_offset, seqlen_k, left, right, HAS_LEFT,
-                              HAS_RIGHT)
+        if MODS.left or MODS.right:
+            ok = ok & visible(i[:, None], j[None, :], diag_offset, seqlen_k, left, right, MODS)
         s2 = tl.where(ok, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN

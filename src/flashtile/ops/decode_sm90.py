@@ -33,11 +33,11 @@ def _split_kernel_warps(
     seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
     left, right, qk_scale, softcap,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, ROTARY_DIM: gl.constexpr, ROTARY_INTERLEAVED: gl.constexpr,
+    BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, MODS: gl.constexpr, ROTARY_DIM: gl.constexpr,
+    ROTARY_INTERLEAVED: gl.constexpr,
     ROTARY_BY_ROW: gl.constexpr, DOT_PRECISION: gl.constexpr, EVEN_D: gl.constexpr,
-    HAS_SEQLENS: gl.constexpr, HAS_BATCH_IDX: gl.constexpr, HAS_LEFTPAD: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, FUSED_COMBINE: gl.constexpr, MERGE_UNROLL: gl.constexpr, HAS_SINK: gl.constexpr,
+    HAS_SEQLENS: gl.constexpr, HAS_BATCH_IDX: gl.constexpr, HAS_LEFTPAD: gl.constexpr, FUSED_COMBINE: gl.constexpr,
+    MERGE_UNROLL: gl.constexpr, HAS_SINK: gl.constexpr,
     APPEND: gl.constexpr, BLOCK_T: gl.constexpr, LAUNCH_COMBINE: gl.constexpr, STAGES: gl.constexpr,
 ):
     """_split_kernel (same arguments, grid and outputs) with each warp on keys of its own: the
@@ -77,7 +77,7 @@ def _split_kernel_warps(
 
     n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end = _split_keys(
         Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows,
-        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, MODS,
         HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD)
     n_tiles = gl.maximum(blk_end - blk_start, 0)
 
@@ -132,7 +132,7 @@ def _split_kernel_warps(
     s_keys = (gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))[:, None] * KW
               + gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))[None, :])[:, :, None]
     slope = 0.0
-    if HAS_ALIBI:
+    if MODS.alibi:
         slope = gl.load(Slopes + b * stride_slope_b + (kh * GROUP + s_rows % GROUP) * stride_slope_h)[None, None, :]
 
     # each warp's copy of its keys: key k of warp w is key w KW + k of a tile, (W, KW, 1); columns (1, 1, d)
@@ -166,10 +166,9 @@ def _split_kernel_warps(
         qk = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([W, KW, BLOCK_M], gl.float32, mma))
         start = (blk_start + t) * BLOCK_N
         pos = start + s_keys
-        s2, _ = scores_log2(qk, i, pos - pad, qk_scale, softcap, slope, diag_offset, HAS_SOFTCAP, HAS_ALIBI)
-        if HAS_LEFT or HAS_RIGHT:
-            ok = (pos >= lo) & (pos < hi) & visible(i, pos - pad, diag_offset, seqlen_k, left, right, HAS_LEFT,
-                                                    HAS_RIGHT)
+        s2, _ = scores_log2(qk, i, pos - pad, qk_scale, softcap, slope, diag_offset, MODS)
+        if MODS.left or MODS.right:
+            ok = (pos >= lo) & (pos < hi) & visible(i, pos - pad, diag_offset, seqlen_k, left, right, MODS)
             s2 = gl.where(ok, s2, float("-inf"))
         elif (start < lo) | (start + BLOCK_N > hi):  # a tile with keys outside [lo, hi): the split's ends
             s2 = gl.where((pos >= lo) & (pos < hi), s2, float("-inf"))

@@ -17,7 +17,7 @@ from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
 from flashtile.ops.decode import _combine_kernel, _split_kernel
 from flashtile.ops.decode_sm90 import _split_kernel_warps
 from flashtile.ops.host import dot_precision
-from flashtile.ops.mods import alibi_strides, kernel_scale
+from flashtile.ops.mods import Mods, alibi_strides, kernel_scale
 
 
 def prepare_combine(num_splits: int, d: int, rows: tuple, strides: tuple, has_sink: bool = False,
@@ -150,9 +150,9 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     split = split_any = None
     if b > 0:
-        flags.update(GROUP=group, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+        flags.update(GROUP=group, MODS=Mods(left >= 0, right >= 0, softcap > 0, alibi_slopes is not None),
                      ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
-                     HAS_LEFTPAD=cache_leftpad is not None, HAS_ALIBI=alibi_slopes is not None, FUSED_COMBINE=fused,
+                     HAS_LEFTPAD=cache_leftpad is not None, FUSED_COMBINE=fused,
                      MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
                      BLOCK_T=min(16, next_pow2(seqlen_new)), LAUNCH_COMBINE=pdl)
         fixed = ((seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin),

@@ -26,7 +26,7 @@ from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv
 from flashtile.ops.host import dot_precision, dropout_args, grid_lengths, seq_strides, varlen_args
 from flashtile.ops.masks import block_range, head_dim_mask, load_tile_pair, lse_row_base, page_of, seq_bounds, visible
-from flashtile.ops.mods import alibi_strides, kernel_scale, scores_log2
+from flashtile.ops.mods import Mods, alibi_strides, kernel_scale, scores_log2
 from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.schedule import q_block_program
 from flashtile.ops.softmax import LN2, fold_sink
@@ -37,8 +37,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, di
               qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
               table, max_pages, num_pages, stride_kb, stride_vb, seed, bh, threshold,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
               HAS_DROPOUT: tl.constexpr):
     """One K/V block: S = Q K^T, online-softmax update of (m_i, l_i), acc += P V."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -52,9 +51,9 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, di
     k, v = load_tile_pair(k_ptrs, v_ptrs, offs_n[:, None] < sk, d_mask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
     s2, _ = scores_log2(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, slope,
-                        diag_offset, HAS_SOFTCAP, HAS_ALIBI)
+                        diag_offset, MODS)
     if MASKED:
-        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, MODS)
         s2 = tl.where(ok, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
@@ -89,12 +88,11 @@ def _fwd_kernel(
     nheads, group, sq, sk, total_q, total_k, max_pages, num_pages, left, right, qk_scale, softcap,
     threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MODS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
-    start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, HAS_RIGHT)
+    start_m, bh, b, h, hk = q_block_program(nheads, group, BLOCK_M, MODS.right)
     q_start, sq, k_start, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k,
                                           IS_VARLEN, HAS_SEQUSED, PAGE_SIZE > 0)
     if IS_VARLEN:
@@ -121,7 +119,7 @@ def _fwd_kernel(
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < sq) & d_mask, other=0.0)
 
     slope = 0.0
-    if HAS_ALIBI:
+    if MODS.alibi:
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
     seed = (0, 0, 0)
     if HAS_DROPOUT:
@@ -132,25 +130,22 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
-                                           HAS_LEFT, HAS_RIGHT)
+                                           MODS.left, MODS.right)
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
                                   left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
                                   table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
-                                  threshold, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                  HAS_ALIBI, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
+                                  threshold, BLOCK_N, True, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
                                   left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
                                   table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
-                                  threshold, BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                  HAS_ALIBI, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
+                                  threshold, BLOCK_N, False, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
                                   left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
                                   table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
-                                  threshold, BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                  HAS_ALIBI, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
+                                  threshold, BLOCK_N, True, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
 
     if HAS_SINK:
         acc, l_i, m_i = fold_sink(acc, l_i, m_i, Sink, h)
@@ -197,8 +192,7 @@ def plan(env: list, softmax_scale: float, window: tuple, softcap: float, varlen,
                     qk_scale, softcap, threshold, dropout_scale),
                    cfg.num_warps, cfg.num_stages, None,
                    dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0,
-                        HAS_ALIBI=alibi_slopes is not None, EVEN_D=d == block_d,
+                        MODS=Mods.of(window, softcap, alibi_slopes), EVEN_D=d == block_d,
                         DOT_PRECISION=dot_precision(q.dtype), HAS_DROPOUT=has_dropout, HAS_SINK=sink is not None,
                         **vl_flags))
 

@@ -42,6 +42,7 @@ from flashtile.ops._launch import Plan, cdiv, current_stream
 from flashtile.ops.host import box_descriptor, dropout_args, grid_lengths, seq_strides, tma_ok, tma_refusal, varlen_args
 from flashtile.ops.masks import block_range, lse_row_base, seq_bounds, visible
 from flashtile.ops.mods import (
+    Mods,
     alibi_refusal,
     alibi_sm90,
     alibi_strides,
@@ -71,8 +72,8 @@ def hopper_forward_maxnreg(consumers: int) -> int:
 
 @gluon.jit
 def _fwd_sm90_tile(tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK,
-                   total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MODS: gl.constexpr,
+                   HEAD_CHUNKED: gl.constexpr, IS_VARLEN: gl.constexpr,
                    HAS_SEQUSED: gl.constexpr):
     """Tile `tile` of the persistent grid: (start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start,
     sq_b, k_start, sk_b). Tiles go in the Triton kernel's launch order (row blocks, then heads, then
@@ -88,11 +89,10 @@ def _fwd_sm90_tile(tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, 
         pid_m, bh = chunked_order(tile, n_m, n_tiles // n_m, head_chunk)
     else:
         pid_m, bh = tile % n_m, tile // n_m
-    start_m, bh, b, h, hk = q_block_of(pid_m, n_m, bh, nheads, group, BLOCK_M, HAS_RIGHT)
+    start_m, bh, b, h, hk = q_block_of(pid_m, n_m, bh, nheads, group, BLOCK_M, MODS.right)
     q_start, sq_b, k_start, sk_b = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN,
                                               HAS_SEQUSED, False)
-    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk_b, sk_b - sq_b, left, right, HAS_LEFT,
-                                           HAS_RIGHT)
+    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk_b, sk_b - sq_b, left, right, MODS.left, MODS.right)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N)
     if IS_VARLEN:
         n_blocks = gl.where(start_m < sq_b, n_blocks, 0)
@@ -133,8 +133,8 @@ def _fwd_sm90_next(tile_ids, tile_ready, tile_free, n):
 @gluon.jit
 def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                    k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m, nheads, group, sq, sk,
-                   left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr, PERSISTENT: gl.constexpr,
+                   left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, MODS: gl.constexpr,
+                   HEAD_CHUNKED: gl.constexpr, PERSISTENT: gl.constexpr,
                    IS_VARLEN: gl.constexpr,
                    HAS_SEQUSED: gl.constexpr):
     """Loader partition, tile after tile: the Q halves into a Q buffer once every consumer is done
@@ -156,7 +156,7 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
             tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q,
-            total_k, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
+            total_k, CONSUMERS * HALF_M, BLOCK_N, MODS, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
         tb = 0 if IS_VARLEN else b
         if n_blocks > 0:
             # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
@@ -187,15 +187,15 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
 
 @gluon.jit
 def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, left, right,
-                     qk_scale, softcap, slope, seed, bh, threshold, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     IN_FLIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                     qk_scale, softcap, slope, seed, bh, threshold, MODS: gl.constexpr,
+                     IN_FLIGHT: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr, HALF_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, dtype: gl.constexpr):
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
-    caller rescales and adds to, and comes back as it is. HAS_SOFTCAP: the scores are capped
-    (capped_sm90; qk_scale and softcap are softcap_scales'). HAS_ALIBI: after the cap, the bias
+    caller rescales and adds to, and comes back as it is. MODS.softcap: the scores are capped
+    (capped_sm90; qk_scale and softcap are softcap_scales'). MODS.alibi: after the cap, the bias
     -slope |i + diag_offset - j| (slope in alibi_unit_sm90's units). HAS_DROPOUT: the block's Philox calls
     (head bh) are made and their bytes compared four at a time (dropout_keep_bits_sm90) before the
     wait, while S is computed; l sums P before dropout, and the returned p (P V's operand) is P in
@@ -208,20 +208,20 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
         m1 = dropout_keep_bits_sm90(w1, threshold)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
     s_layout: gl.constexpr = qk.type.layout
-    if HAS_SOFTCAP:  # capped before the max: a cap is no scale
+    if MODS.softcap:  # capped before the max: a cap is no scale
         qk, _ = capped_sm90(qk, qk_scale, softcap)
-    if HAS_ALIBI:
+    if MODS.alibi:
         rows = start_m + diag_offset + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
         qk = alibi_sm90(qk, rows, cols, slope)
     if (start_n < full_lo) | (start_n >= full_hi):
         offs_m = start_m + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
         offs_n = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
-        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(offs_m[:, None], offs_n[None, :], diag_offset, sk, left, right, MODS)
         qk = gl.where(ok, qk, float("-inf"))
     # without a cap the max is taken on raw products and scaled after (qk_scale > 0), so exp2's
     # argument is one FMA
-    scale = 1.0 if HAS_SOFTCAP else qk_scale
+    scale = 1.0 if MODS.softcap else qk_scale
     m_new = gl.maximum(m_i, gl.max(qk, 1) * scale)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
     p = gl.exp2(qk * scale - m_sub[:, None])
@@ -293,15 +293,14 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                       v_empty, tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq,
                       sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold,
                       dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink, Slopes, stride_slope_b,
-                      stride_slope_h, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_CHUNKED: gl.constexpr,
-                      PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                      stride_slope_h, MODS: gl.constexpr, HEAD_CHUNKED: gl.constexpr,
+                      PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                       ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                      HAS_SINK: gl.constexpr,
-                      HAS_ALIBI: gl.constexpr, HEAD_DIM: gl.constexpr, O_TMA: gl.constexpr):
+                      HAS_SINK: gl.constexpr, HEAD_DIM: gl.constexpr, O_TMA: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
-    while the loader brings the next tile's Q and first K/V blocks. HAS_SOFTCAP: the scores are
-    capped (_fwd_sm90_scores; softcap in the log2 domain). HAS_ALIBI: the tile's slope, of
+    while the loader brings the next tile's Q and first K/V blocks. MODS.softcap: the scores are
+    capped (_fwd_sm90_scores; softcap in the log2 domain). MODS.alibi: the tile's slope, of
     Slopes (h,) or (b, h), is read once and biases every block's scores. HAS_DROPOUT: as the Triton
     kernel, P V sees the keep-mask and l does not; a block's Philox calls are made while its S
     is computed. ROWSUM_MMA (three consumers): l is an [HALF_M, 8] register tile whose 8 columns
@@ -354,7 +353,7 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     # dropout the deferral measured slower (docs/tuning.md), so there a tile ends with its last
     # P V and its output; with a cap or ALiBi beside dropout it spills 368 / 460 bytes and was
     # not measured, so neither takes it.
-    DEFER_PV: gl.constexpr = CONSUMERS == 2 and PERSISTENT and HAS_DROPOUT and not (HAS_SOFTCAP or HAS_ALIBI)
+    DEFER_PV: gl.constexpr = CONSUMERS == 2 and PERSISTENT and HAS_DROPOUT and not (MODS.softcap or MODS.alibi)
     # the tile's Q buffer holds its output rows on their way out, and is handed back after them. Not
     # with DEFER_PV, whose rows leave during the next tile, after this buffer went back; not with three
     # consumers and dropout either, whose 160 registers then spill into the block loop (a reload every
@@ -372,11 +371,11 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
             tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q,
-            total_k, CONSUMERS * HALF_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
+            total_k, CONSUMERS * HALF_M, BLOCK_N, MODS, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
         diag_offset = sk_b - sq_b
         row0 = start_m + half * HALF_M
-        if HAS_ALIBI:
-            slope = gl.load(Slopes + b * stride_slope_b + h * stride_slope_h) * alibi_unit_sm90(qk_scale, HAS_SOFTCAP)
+        if MODS.alibi:
+            slope = gl.load(Slopes + b * stride_slope_b + h * stride_slope_h) * alibi_unit_sm90(qk_scale, MODS)
         else:
             slope = 0.0
         acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, o_layout)
@@ -402,8 +401,7 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                                               is_async=True)
                         p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
                                                               diag_offset, left, right, qk_scale, softcap, slope, seed,
-                                                              b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1,
-                                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M,
+                                                              b * nheads + h, threshold, MODS, 1, HAS_DROPOUT, False, HALF_M,
                                                               BLOCK_N, dtype)
                         acc_last, p_last = warpgroup_mma_wait(0, deps=(o_tok, p_last))
                         mbarrier.arrive(v_empty.index(last), count=1)
@@ -414,14 +412,12 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                     else:
                         p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
                                                               diag_offset, left, right, qk_scale, softcap, slope, seed,
-                                                              b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
-                                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M,
+                                                              b * nheads + h, threshold, MODS, 0, HAS_DROPOUT, False, HALF_M,
                                                               BLOCK_N, dtype)
                 else:
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
                                                           diag_offset, left, right, qk_scale, softcap, slope, seed,
-                                                          b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
-                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M, BLOCK_N,
+                                                          b * nheads + h, threshold, MODS, 0, HAS_DROPOUT, False, HALF_M, BLOCK_N,
                                                           dtype)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
@@ -440,8 +436,8 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                         named_barrier_sm90(TURN_BARRIER + 1 - half, True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
                                                           sk_b, diag_offset, left, right, qk_scale, softcap, slope,
-                                                          seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 1,
-                                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HALF_M, BLOCK_N,
+                                                          seed, b * nheads + h, threshold, MODS, 1, HAS_DROPOUT, False,
+                                                          HALF_M, BLOCK_N,
                                                           dtype)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     # P_{j-1} is a register operand of the product in flight: it stays untouched until the
@@ -473,7 +469,7 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                 # (under a causal mask the last one for the first two warpgroups) it only lets pass,
                 # and those its rows see whole need no mask
                 own_lo, own_full_lo, own_full_hi, own_hi = block_range(row0, HALF_M, BLOCK_N, sk_b, diag_offset,
-                                                                       left, right, HAS_LEFT, HAS_RIGHT)
+                                                                       left, right, MODS.left, MODS.right)
                 for j in range(n_blocks):
                     stage = (it + j) % NUM_STAGES
                     start_n = lo + j * BLOCK_N
@@ -483,8 +479,8 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                         s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                         p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, start_n, own_full_lo, own_full_hi,
                                                               sk_b, diag_offset, left, right, qk_scale, softcap, slope,
-                                                              seed, b * nheads + h, threshold, HAS_LEFT, HAS_RIGHT, 0,
-                                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, ROWSUM_MMA, HALF_M,
+                                                              seed, b * nheads + h, threshold, MODS, 0, HAS_DROPOUT,
+                                                              ROWSUM_MMA, HALF_M,
                                                               BLOCK_N, dtype)
                         mbarrier.arrive(k_empty.index(stage), count=1)
                         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -549,18 +545,18 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink,
                      Slopes, stride_ob, stride_om, stride_oh, n_tiles, head_chunk, n_m, nheads, group, sq, sk,
                      left, right, qk_scale, softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b,
-                     stride_slope_h, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                     stride_slope_h, MODS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
                      HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
-                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr,
                      HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr, O_TMA: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile; with HEAD_CHUNKED in chunks of head_chunk heads), taking the next from a
     counter (_fwd_sm90_fetch), so one tile's output leaves while the next one's Q and K/V come in.
     IS_VARLEN: the batch is packed (q_desc, k_desc and v_desc over (1, total, heads, d) views), `batch`
     counts its sequences and sq / sk are the longest ones (the Triton kernel's flag). HAS_SINK: Sink,
-    the (h,) attention sink, as there. HAS_SOFTCAP: capped scores (capped_sm90; qk_scale and softcap are
-    softcap_scales'). HAS_ALIBI: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides.
+    the (h,) attention sink, as there. MODS.softcap: capped scores (capped_sm90; qk_scale and softcap are
+    softcap_scales'). MODS.alibi: Slopes, ALiBi slopes (h,) or (b, h), fp32, with their strides.
     HEAD_DIM: the tensors' head dim; the descriptors' boxes may be wider (configs.hopper_head_dim),
     their columns past it read as zeros, and the output's are not stored. O_TMA: o_desc, a box of a
     consumer's rows of Out (BSHD; packed: (1, total, heads, d)), takes the output rows
@@ -602,7 +598,7 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng,
         mbarrier.init(tile_free.index(i), count=CONSUMERS)
 
     # the partitions and their arguments are spelled out in place: a tuple built by concatenation
-    # inside the jit function loses the constexpr-ness of HAS_LEFT / HAS_RIGHT, and one held in a
+    # inside the jit function loses the constexpr-ness of MODS.left / MODS.right, and one held in a
     # variable cannot hold the partition's function
     if CONSUMERS == 3:
         gl.warp_specialize([
@@ -610,27 +606,24 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng,
                                  k_empty, v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads,
                                  group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
-                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
             (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
                                  k_empty, v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads,
                                  group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
-                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
             (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
                                  k_empty, v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, head_chunk, n_m, nheads,
                                  group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
-                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
                               nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
-                              HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
+                              MODS, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
         ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -638,20 +631,18 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng,
                                  k_empty, v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads,
                                  group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
-                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
             (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
                                  k_empty, v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads,
                                  group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
                                  threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT,
-                                 HAS_SOFTCAP, HAS_DROPOUT, ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK,
-                                 HAS_ALIBI, HEAD_DIM, O_TMA)),
+                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
+                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
             (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
                               v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
                               nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
-                              HAS_LEFT, HAS_RIGHT, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
+                              MODS, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
         ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
@@ -725,10 +716,10 @@ def plan(env: list, cfg, softmax_scale: float, window: tuple, softcap: float, va
             (*out_strides[:3], n_tiles, chunk, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
              threshold, dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
             cfg.num_warps, None, hopper_forward_maxnreg(consumers),
-            dict(HAS_LEFT=left is not None, HAS_RIGHT=right is not None, NUM_STAGES=cfg.num_stages,
-                 Q_STAGES=configs.hopper_forward_q_stages(dp), PERSISTENT=persistent, HAS_SOFTCAP=softcap > 0,
+            dict(MODS=Mods.of(window, softcap, alibi_slopes), NUM_STAGES=cfg.num_stages,
+                 Q_STAGES=configs.hopper_forward_q_stages(dp), PERSISTENT=persistent,
                  HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
                  HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
-                 HAS_ALIBI=alibi_slopes is not None, HEAD_CHUNKED=configs.hopper_forward_chunked(dp, right is not None),
+                 HEAD_CHUNKED=configs.hopper_forward_chunked(dp, right is not None),
                  HEAD_DIM=d, O_TMA=o_tma))
 

@@ -3,8 +3,8 @@ the Hopper kernels too.
 
 Masks follow flash-attn 2.x: aligned to the bottom-right corner, so query i sits at key position
 i + sk - sq ("the diagonal"), and may see key j iff
-    j >= i + (sk - sq) - left    (when HAS_LEFT)
-    j <= i + (sk - sq) + right   (when HAS_RIGHT; causal is right = 0).
+    j >= i + (sk - sq) - left    (when MODS.left)
+    j <= i + (sk - sq) + right   (when MODS.right; causal is right = 0).
 `block_range` splits a block's keys into masked, fully visible and skipped runs (FA2's causal
 block skipping, generalised to windows).
 
@@ -20,22 +20,22 @@ import triton.language as tl
 
 
 @triton.jit
-def in_window(i, j, diag_offset, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Is key j inside query row i's window (both sides given by HAS_LEFT / HAS_RIGHT)?"""
+def in_window(i, j, diag_offset, left, right, MODS: tl.constexpr):
+    """Is key j inside query row i's window (both sides given by MODS.left / MODS.right)?"""
     diag = i + diag_offset
-    if HAS_LEFT and HAS_RIGHT:
+    if MODS.left and MODS.right:
         return (j >= diag - left) & (j <= diag + right)
-    if HAS_LEFT:
+    if MODS.left:
         return j >= diag - left
     return j <= diag + right
 
 
 @triton.jit
-def visible(i, j, diag_offset, n_keys, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+def visible(i, j, diag_offset, n_keys, left, right, MODS: tl.constexpr):
     """May query row i see key j? i and j broadcast against each other (either may be rows)."""
     ok = j < n_keys
-    if HAS_LEFT or HAS_RIGHT:
-        ok = ok & in_window(i, j, diag_offset, left, right, HAS_LEFT, HAS_RIGHT)
+    if MODS.left or MODS.right:
+        ok = ok & in_window(i, j, diag_offset, left, right, MODS)
     return ok
 
 
@@ -48,8 +48,8 @@ def block_range(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, n_i
     only when bounded). Returns (lo, full_lo, full_hi, hi): blocks in [lo, full_lo) and
     [full_hi, hi) need the mask; [full_lo, full_hi) are visible to every outer row and fully inside
     n_inner, so they run without one. Blocks outside [lo, hi) are never touched (causal skipping).
-    The forward and dQ loops call this with (rows over keys, offset = sk - sq); the dK/dV loop
-    with (keys over rows, offset = sq - sk, left and right swapped).
+    The forward and dQ loops call this with (rows over keys, offset = sk - sq, MODS.left and
+    MODS.right); the dK/dV loop with (keys over rows, offset = sq - sk, left and right swapped).
     """
     last = start + BLOCK_OUTER - 1
     lo = 0
@@ -71,7 +71,7 @@ def block_range(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, n_i
 
 @triton.jit
 def dq_order(n, n_blocks, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             HAS_RIGHT: tl.constexpr):
+             MODS: tl.constexpr):
     """(a, c): what dq_turn needs of key block n (of n_blocks of BLOCK_N keys), computed once.
 
     The deterministic order of dQ's additions is the order in which the programs reach a Q block,
@@ -83,18 +83,18 @@ def dq_order(n, n_blocks, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: t
     left, 0) // BLOCK_N (0 without a left bound). These invert the rows the programs take from
     block_range (keys over rows, ops.backward_sm90._bwd_kernel_sm90), so the key blocks counted are exactly those
     whose programs visit the rows."""
-    if HAS_RIGHT:  # floor division is exact here: start_m + c >= 0 wherever key block n visits
+    if MODS.right:  # floor division is exact here: start_m + c >= 0 wherever key block n visits
         return n_blocks - 1 - n, BLOCK_M - 1 - (sq - sk) + right - n * BLOCK_N
     else:
         return n, (sq - sk) + left
 
 
 @triton.jit
-def dq_turn(start_m, a, c, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+def dq_turn(start_m, a, c, BLOCK_N: tl.constexpr, MODS: tl.constexpr):
     """Additions into the dQ rows from start_m that come before this program's (a, c: dq_order)."""
-    if HAS_RIGHT:
+    if MODS.right:
         turn = tl.minimum(a, (start_m + c) // BLOCK_N)
-    elif HAS_LEFT:
+    elif MODS.left:
         turn = a - tl.maximum(start_m - c, 0) // BLOCK_N
     else:
         turn = a

@@ -6,12 +6,37 @@ kernels apply `capped_sm90` and `alibi_sm90` at their one scores step.
 """
 
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from flashtile.ops.softmax import LOG2E
+
+
+class Mods(NamedTuple):
+    """The score and mask mods a launch applies: the one constexpr record (MODS) that every kernel
+    and helper takes, built once per plan on the host (Mods.of). Each field turns on a built-in mod,
+    applied where each kernel computes its scores (scores_log2 in the Triton kernels, the Hopper
+    kernels' scores steps) and masks them (ops.masks.visible and block_range):
+      left, right  mask mods: key j is visible to row i iff i + sk - sq - left <= j (left) and
+                   j <= i + sk - sq + right (right; causal is right = 0)
+      softcap      score mod: s -> softcap * tanh(s / softcap), its derivative 1 - tanh^2 beside it
+      alibi        score mod: s -> s - slope_h |i + sk - sq - j|
+    A new mod is a field here and a device function applied at those points."""
+
+    left: bool = False
+    right: bool = False
+    softcap: bool = False
+    alibi: bool = False
+
+    @classmethod
+    def of(cls, window: tuple, softcap: float, alibi_slopes) -> "Mods":
+        """The record of a call: window (left, right) with None for an unbounded side."""
+        return cls(window[0] is not None, window[1] is not None, softcap > 0, alibi_slopes is not None)
+
 
 
 def kernel_scale(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -45,21 +70,21 @@ def tanh(x):
 
 @triton.jit
 def scores_log2(qk, i, j, qk_scale, softcap, slope, diag_offset,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                MODS: tl.constexpr):
     """Raw q.k products -> scores in the log2 domain, and the softcap derivative factor.
 
     Without softcap, qk_scale = softmax_scale * log2(e) folds both multiplies into one. With
     softcap, qk_scale = softmax_scale / softcap and the cap is applied before the log2(e) factor.
     Returns (s2, dcap) where dcap = d(score)/d(scaled qk) = 1 - tanh^2 (1.0 without softcap).
     """
-    if HAS_SOFTCAP:
+    if MODS.softcap:
         t = tanh(qk * qk_scale)
         s2 = t * (softcap * LOG2E)
         dcap = 1.0 - t * t
     else:
         s2 = qk * qk_scale
         dcap = 1.0
-    if HAS_ALIBI:
+    if MODS.alibi:
         dist = tl.abs(i + diag_offset - j).to(tl.float32)
         s2 = s2 - (slope * LOG2E) * dist
     return s2, dcap
@@ -123,9 +148,9 @@ def alibi_refusal(alibi_slopes, q, k, varlen) -> str | None:
 
 
 @gluon.jit
-def alibi_unit_sm90(qk_scale, HAS_SOFTCAP: gl.constexpr):
+def alibi_unit_sm90(qk_scale, MODS: gl.constexpr):
     """What a slope is multiplied by to subtract it from the Hopper kernels' scores where ALiBi
     meets them: after the cap, scores are in the log2 domain (log2(e)); without one they are raw
     products, scaled by qk_scale = softmax_scale log2(e) only after the max (log2(e) / qk_scale)."""
-    return LOG2E if HAS_SOFTCAP else LOG2E / qk_scale
+    return LOG2E if MODS.softcap else LOG2E / qk_scale
 

@@ -10,7 +10,7 @@ import triton.language as tl
 
 @triton.jit
 def key_block_program(n_kb, n_rows, chunk, HEAD_CHUNKED: tl.constexpr, DETERMINISTIC: tl.constexpr,
-                      HAS_RIGHT: tl.constexpr):
+                      MODS: tl.constexpr):
     """(key block, row) of this program of the Hopper backward's grid of n_kb key blocks x n_rows
     (batch, K/V head) rows: with HEAD_CHUNKED a 1D grid in chunks of `chunk` rows (chunked_order;
     the chunk is an argument, so no length compiles another kernel), else the (key blocks, K/V
@@ -22,7 +22,7 @@ def key_block_program(n_kb, n_rows, chunk, HEAD_CHUNKED: tl.constexpr, DETERMINI
         pid, row = chunked_order(tl.program_id(0), n_kb, n_rows, chunk)
     else:
         pid, row = head_chunked_order(n_kb, n_rows, 1)
-    if DETERMINISTIC and HAS_RIGHT:
+    if DETERMINISTIC and MODS.right:
         pid = n_kb - 1 - pid
     return pid, row
 
