@@ -133,11 +133,13 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
     cfg = configs.hopper_forward_tiles(d)
     kernel = forward_sm90._fwd_kernel_sm90
     names = [p.name for p in kernel.params]
-    const = dict(MODS=Mods(right=causal, softcap=softcap, alibi=alibi), NUM_STAGES=cfg.num_stages,
-                 Q_STAGES=configs.hopper_forward_q_stages(d), PERSISTENT=configs.hopper_forward_persistent(d),
-                 HAS_DROPOUT=dropout, CONSUMERS=configs.hopper_forward_consumers(d), IS_VARLEN=varlen,
-                 HAS_SEQUSED=False, SeqUsedK=None, HAS_SINK=sink,
-                 HEAD_CHUNKED=configs.hopper_forward_chunked(d, causal), HEAD_DIM=head_dim, O_TMA=o_tma)
+    consumers = configs.hopper_forward_consumers(d)
+    flags = forward_sm90.ForwardFlags(
+        HEAD_DIM=head_dim, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(d), CONSUMERS=consumers,
+        PERSISTENT=configs.hopper_forward_persistent(d), HEAD_CHUNKED=configs.hopper_forward_chunked(d, causal),
+        IS_VARLEN=varlen, HAS_SEQUSED=False, HAS_DROPOUT=dropout, HAS_SINK=sink, O_TMA=o_tma,
+        ROWSUM_MMA=not dropout and consumers == 3)
+    const = dict(MODS=Mods(right=causal, softcap=softcap, alibi=alibi), CFG=flags, SeqUsedK=None)
     if not alibi:
         const["Slopes"] = None
     if not dropout:
@@ -146,8 +148,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
         const.update(CuSeqQ=None, CuSeqK=None)
     if not sink:
         const["Sink"] = None
-    boxes = dict(q_desc=cfg.block_m // const["CONSUMERS"], k_desc=cfg.block_n, v_desc=cfg.block_n,
-                 o_desc=cfg.block_m // const["CONSUMERS"])
+    boxes = dict(q_desc=cfg.block_m // consumers, k_desc=cfg.block_n, v_desc=cfg.block_n, o_desc=cfg.block_m // consumers)
     signature = {}
     for n in names:
         if n in const:
@@ -161,7 +162,7 @@ def compile_hopper_forward(d: int, causal: bool, dropout: bool = False, varlen: 
                             "Slopes": "*fp32"}.get(n, "i32")
     src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, maxnreg=forward_sm90.hopper_forward_maxnreg(const["CONSUMERS"])))
+                          options=dict(num_warps=cfg.num_warps, maxnreg=forward_sm90.hopper_forward_maxnreg(consumers)))
 
 
 def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen: bool = False, softcap: bool = False,

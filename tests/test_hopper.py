@@ -320,7 +320,7 @@ def test_hopper_plans_bind_the_kernels_arguments(sm90, monkeypatch, extras, d):
         assert (tensors[runtime.index("Slopes")] is None) == plain
         descriptors = [t for t in _launch._for_triton(tensors) if t is not None and not isinstance(t, torch.Tensor)]
         assert len(descriptors) == sum(n.endswith("_desc") for n in runtime)
-    consumers = fwd.launch.constexprs["CONSUMERS"]
+    consumers = fwd.launch.constexprs["CFG"].CONSUMERS
     assert consumers == (3 if d == 64 else 2)
     assert fwd.launch.options["maxnreg"] == forward_sm90.hopper_forward_maxnreg(consumers)
 

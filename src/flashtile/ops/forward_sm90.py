@@ -24,7 +24,8 @@ helpers (ops.masks, ops.softmax); dropout draws ops.philox's bits; softcap and A
 ops.mods' Hopper forms. Why each of these choices: docs/tuning.md.
 """
 
-from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -36,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.core import _aggregate as aggregate
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv, current_stream
@@ -65,16 +67,115 @@ from flashtile.ops.sm90 import (
 from flashtile.ops.softmax import LN2, fold_sink
 
 
+class ForwardFlags(NamedTuple):
+    """_fwd_kernel_sm90's constexprs other than the mods (CFG), built once per plan (plan)."""
+
+    HEAD_DIM: int  # the tensors' head dim (the boxes' may be wider: configs.hopper_head_dim)
+    NUM_STAGES: int  # K/V ring slots
+    Q_STAGES: int  # Q buffers (configs.hopper_forward_q_stages)
+    CONSUMERS: int  # consumer warpgroups, 64 rows each (2, or 3 at d=64)
+    PERSISTENT: bool  # a program per SM walking tiles, else a program per tile
+    HEAD_CHUNKED: bool  # tiles in chunks of heads (configs.hopper_forward_chunked)
+    IS_VARLEN: bool
+    HAS_SEQUSED: bool
+    HAS_DROPOUT: bool
+    HAS_SINK: bool
+    O_TMA: bool  # the output rows leave through the Q buffer and the copy engine
+    # three consumers take the row sums l on the tensor cores (P times columns of ones), except with
+    # dropout, whose l sums P before the mask; with two, the added registers spill
+    ROWSUM_MMA: bool
+
+
+@gluon.constexpr_function
+def _kept(x):
+    """An aggregate field's value: a runtime value as it is, else (what Triton specialised: an int
+    of 1, an absent tensor) a constexpr."""
+    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
+
+
+_VALUE = (gl.tensor, gl.constexpr)  # a field that is a runtime value or a constexpr (_kept)
+
+
+@aggregate
+class FwdRing:
+    """The shared memory the forward's partitions hand each other: Q buffers (Q_STAGES sets of one
+    per consumer), the K/V ring, the row sums' columns of ones (ROWSUM_MMA), the tile ids of a
+    persistent program, and their barriers."""
+
+    q_bufs: gl.shared_memory_descriptor
+    k_bufs: gl.shared_memory_descriptor
+    v_bufs: gl.shared_memory_descriptor
+    ones: gl.shared_memory_descriptor
+    tile_ids: gl.shared_memory_descriptor
+    q_bar: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+    tile_ready: gl.shared_memory_descriptor
+    tile_free: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_bufs, k_bufs, v_bufs, ones, tile_ids, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                 tile_ready, tile_free):
+        self.q_bufs, self.k_bufs, self.v_bufs, self.ones, self.tile_ids = q_bufs, k_bufs, v_bufs, ones, tile_ids
+        self.q_bar, self.q_empty, self.k_ready, self.v_ready = q_bar, q_empty, k_ready, v_ready
+        self.k_empty, self.v_empty, self.tile_ready, self.tile_free = k_empty, v_empty, tile_ready, tile_free
+
+
+@aggregate
+class FwdCall:
+    """_fwd_kernel_sm90's runtime arguments but its descriptors, by name (its docstring says what
+    each is): the partitions read what they need of them."""
+
+    Out: _VALUE
+    Lse: _VALUE
+    TileCounter: _VALUE
+    Rng: _VALUE
+    CuSeqQ: _VALUE
+    CuSeqK: _VALUE
+    SeqUsedK: _VALUE
+    Sink: _VALUE
+    Slopes: _VALUE
+    stride_ob: _VALUE
+    stride_om: _VALUE
+    stride_oh: _VALUE
+    n_tiles: _VALUE
+    head_chunk: _VALUE
+    n_m: _VALUE
+    nheads: _VALUE
+    group: _VALUE
+    sq: _VALUE
+    sk: _VALUE
+    left: _VALUE
+    right: _VALUE
+    qk_scale: _VALUE
+    softcap: _VALUE
+    threshold: _VALUE
+    dropout_scale: _VALUE
+    total_q: _VALUE
+    total_k: _VALUE
+    stride_slope_b: _VALUE
+    stride_slope_h: _VALUE
+
+    @gluon.constexpr_function
+    def __init__(self, Out, Lse, TileCounter, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes, stride_ob, stride_om,
+                 stride_oh, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, qk_scale, softcap, threshold,
+                 dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, _kept(value))
+
+
 def hopper_forward_maxnreg(consumers: int) -> int:
     """The Hopper forward's register cap per thread at launch, with 2 or 3 consumer warpgroups."""
     return HOPPER_MAXNREG if consumers == 2 else HOPPER_THREE_MAXNREG
 
 
 @gluon.jit
-def _fwd_sm90_tile(tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK,
-                   total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MODS: gl.constexpr,
-                   HEAD_CHUNKED: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_SEQUSED: gl.constexpr):
+def _fwd_sm90_tile(tile, call, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MODS: gl.constexpr,
+                   CFG: gl.constexpr):
     """Tile `tile` of the persistent grid: (start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start,
     sq_b, k_start, sk_b). Tiles go in the Triton kernel's launch order (row blocks, then heads, then
     batch), so the programs working at once share a few heads' K/V in L2, or with HEAD_CHUNKED in
@@ -85,16 +186,17 @@ def _fwd_sm90_tile(tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, 
     keys k_start .. of k (seq_bounds); n_m covers the longest, and a tile past its sequence's end has
     no block. A tile's last rows and keys may run into the next sequence's: the keys are masked
     (block_range puts the block past sk_b among the masked ones), the rows are never stored."""
-    if HEAD_CHUNKED:
+    n_tiles, head_chunk, n_m, left, right = call.n_tiles, call.head_chunk, call.n_m, call.left, call.right
+    if CFG.HEAD_CHUNKED:
         pid_m, bh = chunked_order(tile, n_m, n_tiles // n_m, head_chunk)
     else:
         pid_m, bh = tile % n_m, tile // n_m
-    start_m, bh, b, h, hk = q_block_of(pid_m, n_m, bh, nheads, group, BLOCK_M, MODS.right)
-    q_start, sq_b, k_start, sk_b = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN,
-                                              HAS_SEQUSED, False)
+    start_m, bh, b, h, hk = q_block_of(pid_m, n_m, bh, call.nheads, call.group, BLOCK_M, MODS.right)
+    q_start, sq_b, k_start, sk_b = seq_bounds(b, call.CuSeqQ, call.CuSeqK, call.SeqUsedK, call.sq, call.sk,
+                                              call.total_q, call.total_k, CFG.IS_VARLEN, CFG.HAS_SEQUSED, False)
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk_b, sk_b - sq_b, left, right, MODS.left, MODS.right)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N)
-    if IS_VARLEN:
+    if CFG.IS_VARLEN:
         n_blocks = gl.where(start_m < sq_b, n_blocks, 0)
     return start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b
 
@@ -131,12 +233,7 @@ def _fwd_sm90_next(tile_ids, tile_ready, tile_free, n):
 
 
 @gluon.jit
-def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                   k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m, nheads, group, sq, sk,
-                   left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, MODS: gl.constexpr,
-                   HEAD_CHUNKED: gl.constexpr, PERSISTENT: gl.constexpr,
-                   IS_VARLEN: gl.constexpr,
-                   HAS_SEQUSED: gl.constexpr):
+def _fwd_sm90_load(q_desc, k_desc, v_desc, ring, call, MODS: gl.constexpr, CFG: gl.constexpr):
     """Loader partition, tile after tile: the Q halves into a Q buffer once every consumer is done
     with it (its output rows have left through it, or without O_TMA its last S is computed), then
     K_j and V_j into ring slot it % NUM_STAGES once both consumers have freed it (`it` counts K/V
@@ -144,6 +241,12 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
     and the program must not end with copies into its shared memory in flight. A packed batch
     (IS_VARLEN) is read as one sequence of total rows: batch coordinate 0, rows from the tile's
     sequence start."""
+    q_bufs, k_bufs, v_bufs, q_bar, q_empty = ring.q_bufs, ring.k_bufs, ring.v_bufs, ring.q_bar, ring.q_empty
+    k_ready, v_ready, k_empty, v_empty = ring.k_ready, ring.v_ready, ring.k_empty, ring.v_empty
+    tile_ids, tile_ready, tile_free = ring.tile_ids, ring.tile_ready, ring.tile_free
+    n_tiles = call.n_tiles
+    PERSISTENT: gl.constexpr = CFG.PERSISTENT
+    IS_VARLEN: gl.constexpr = CFG.IS_VARLEN
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
@@ -155,8 +258,7 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
     tile = gl.program_id(0)
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
-            tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q,
-            total_k, CONSUMERS * HALF_M, BLOCK_N, MODS, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
+            tile, call, CONSUMERS * HALF_M, BLOCK_N, MODS, CFG)
         tb = 0 if IS_VARLEN else b
         if n_blocks > 0:
             # the empty barriers start in phase 0: the first round of waits (parity 1) passes at once
@@ -179,18 +281,16 @@ def _fwd_sm90_load(TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, 
             tma.async_copy_global_to_shared(v_desc, [tb, row, hk, 0], v_ready.index(stage), v_bufs.index(stage))
             it += 1
         if PERSISTENT:
-            tile = _fwd_sm90_fetch(TileCounter, tile_ids, tile_ready, tile_free, n, n_tiles)
+            tile = _fwd_sm90_fetch(call.TileCounter, tile_ids, tile_ready, tile_free, n, call.n_tiles)
         else:
             tile = n_tiles  # a program per tile: done
         n += 1
 
 
 @gluon.jit
-def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, left, right,
-                     qk_scale, softcap, slope, seed, bh, threshold, MODS: gl.constexpr,
-                     IN_FLIGHT: gl.constexpr,
-                     HAS_DROPOUT: gl.constexpr, ROWSUM_MMA: gl.constexpr, HALF_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, dtype: gl.constexpr):
+def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, diag_offset, slope, seed, bh, call,
+                     MODS: gl.constexpr, IN_FLIGHT: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                     ROWSUM_MMA: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr):
     """Wait for S = Q K_j^T (IN_FLIGHT = 1: the P V product of block j - 1, issued after it, may
     still run), mask it if block j needs a mask, and update the online softmax in the log2
     domain: (p, alpha, m_new, l_new). ROWSUM_MMA: l_i is the tensor cores' row sums, which the
@@ -202,6 +302,7 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
     the inputs' dtype with the dropped scores zeroed, applied to converted pairs
     (dropout_apply_sm90): 1.75 instructions a score where a compare and a select of each fp32
     score took 3."""
+    left, right, qk_scale, softcap, threshold = call.left, call.right, call.qk_scale, call.softcap, call.threshold
     if HAS_DROPOUT:
         w0, w1 = dropout_words_sm90(seed, bh, start_m, start_n, HALF_M, BLOCK_N, False)
         m0 = dropout_keep_bits_sm90(w0, threshold)
@@ -233,9 +334,7 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
 
 
 @gluon.jit
-def _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q, stride_ob,
-                       stride_om, stride_oh, dropout_scale, o_desc, o_smem, by_tma, HAS_SINK: gl.constexpr,
-                       HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _fwd_sm90_epilogue(acc, m_i, l_i, b, h, row0, q_start, sq_b, o_desc, o_smem, by_tma, call, CFG: gl.constexpr,
                        O_TMA: gl.constexpr):
     """A consumer's rows row0 .. of a finished tile (batch b, head h): acc / l into Out and the LSE
     (natural log) into Lse, the Triton kernel's epilogue. m_i, l_i: the online softmax's row max
@@ -245,6 +344,12 @@ def _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b,
     past HEAD_DIM (o_desc, BSHD, a box of these rows); this waits until the copy has read them.
     Otherwise each thread stores its own pairs of columns, 4 bytes apiece: 64 rows of d=128 in 32
     stores a thread, whose traffic costs the forward most at short lengths (docs/tuning.md)."""
+    Out, Lse, Sink, nheads, total_q = call.Out, call.Lse, call.Sink, call.nheads, call.total_q
+    stride_ob, stride_om, stride_oh, dropout_scale = call.stride_ob, call.stride_om, call.stride_oh, call.dropout_scale
+    HAS_SINK: gl.constexpr = CFG.HAS_SINK
+    HAS_DROPOUT: gl.constexpr = CFG.HAS_DROPOUT
+    IS_VARLEN: gl.constexpr = CFG.IS_VARLEN
+    HEAD_DIM: gl.constexpr = CFG.HEAD_DIM
     o_layout: gl.constexpr = acc.type.layout
     HALF_M: gl.constexpr = acc.shape[0]
     BLOCK_D: gl.constexpr = acc.shape[1]
@@ -289,14 +394,7 @@ def _fwd_sm90_store_rows(out, Out, b, h, offs_m, q_start, sq_b, stride_ob, strid
 
 
 @gluon.jit
-def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, tile_ids, tile_ready, tile_free, half, n_tiles, head_chunk, n_m, nheads, group, sq,
-                      sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng, threshold,
-                      dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink, Slopes, stride_slope_b,
-                      stride_slope_h, MODS: gl.constexpr, HEAD_CHUNKED: gl.constexpr,
-                      PERSISTENT: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                      ROWSUM_MMA: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                      HAS_SINK: gl.constexpr, HEAD_DIM: gl.constexpr, O_TMA: gl.constexpr):
+def _fwd_sm90_consume(o_desc, ring, call, half, MODS: gl.constexpr, CFG: gl.constexpr):
     """A consumer warpgroup, tile after tile: rows start_m + half * HALF_M onwards over key blocks
     lo, lo + BLOCK_N, ..., then its part of the output and the LSE (the Triton kernel's epilogue)
     while the loader brings the next tile's Q and first K/V blocks. MODS.softcap: the scores are
@@ -316,6 +414,17 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     buffer goes back to the loader after them rather than after the tile's last S; a packed batch's
     rows that end inside the 64 (the copy would write the next sequence's) and rows without keys
     (no Q buffer) are stored from registers."""
+    q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty = ring.q_bufs, ring.k_bufs, ring.v_bufs, ring.ones, ring.q_bar, ring.q_empty
+    k_ready, v_ready, k_empty, v_empty = ring.k_ready, ring.v_ready, ring.k_empty, ring.v_empty
+    tile_ids, tile_ready, tile_free = ring.tile_ids, ring.tile_ready, ring.tile_free
+    n_tiles, nheads, qk_scale, Rng = call.n_tiles, call.nheads, call.qk_scale, call.Rng
+    Slopes, stride_slope_b, stride_slope_h = call.Slopes, call.stride_slope_b, call.stride_slope_h
+    left, right = call.left, call.right
+    PERSISTENT: gl.constexpr = CFG.PERSISTENT
+    HAS_DROPOUT: gl.constexpr = CFG.HAS_DROPOUT
+    ROWSUM_MMA: gl.constexpr = CFG.ROWSUM_MMA
+    IS_VARLEN: gl.constexpr = CFG.IS_VARLEN
+    O_TMA: gl.constexpr = CFG.O_TMA
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     Q_STAGES: gl.constexpr = q_bar.shape[0]
     CONSUMERS: gl.constexpr = q_bufs.shape[0] // Q_STAGES
@@ -370,8 +479,7 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
     sq_b_last = 0
     while tile < n_tiles:
         start_m, b, h, hk, lo, full_lo, full_hi, n_blocks, q_start, sq_b, k_start, sk_b = _fwd_sm90_tile(
-            tile, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q,
-            total_k, CONSUMERS * HALF_M, BLOCK_N, MODS, HEAD_CHUNKED, IS_VARLEN, HAS_SEQUSED)
+            tile, call, CONSUMERS * HALF_M, BLOCK_N, MODS, CFG)
         diag_offset = sk_b - sq_b
         row0 = start_m + half * HALF_M
         if MODS.alibi:
@@ -400,25 +508,20 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                         o_tok = warpgroup_mma(p_last, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc_last,
                                               is_async=True)
                         p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
-                                                              diag_offset, left, right, qk_scale, softcap, slope, seed,
-                                                              b * nheads + h, threshold, MODS, 1, HAS_DROPOUT, False, HALF_M,
-                                                              BLOCK_N, dtype)
+                                                              diag_offset, slope, seed, b * nheads + h, call, MODS, 1,
+                                                              HAS_DROPOUT, False, HALF_M, BLOCK_N, dtype)
                         acc_last, p_last = warpgroup_mma_wait(0, deps=(o_tok, p_last))
                         mbarrier.arrive(v_empty.index(last), count=1)
-                        _fwd_sm90_epilogue(acc_last, m_last, l_last, Out, Lse, Sink, b_last, h_last, row0_last,
-                                           q_start_last, sq_b_last, nheads, total_q, stride_ob, stride_om, stride_oh,
-                                           dropout_scale, o_desc, q_bufs, False, HAS_SINK, HAS_DROPOUT, IS_VARLEN,
-                                           HEAD_DIM, False)
+                        _fwd_sm90_epilogue(acc_last, m_last, l_last, b_last, h_last, row0_last, q_start_last,
+                                           sq_b_last, o_desc, q_bufs, False, call, CFG, False)
                     else:
                         p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
-                                                              diag_offset, left, right, qk_scale, softcap, slope, seed,
-                                                              b * nheads + h, threshold, MODS, 0, HAS_DROPOUT, False, HALF_M,
-                                                              BLOCK_N, dtype)
+                                                              diag_offset, slope, seed, b * nheads + h, call, MODS, 0,
+                                                              HAS_DROPOUT, False, HALF_M, BLOCK_N, dtype)
                 else:
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo, full_lo, full_hi, sk_b,
-                                                          diag_offset, left, right, qk_scale, softcap, slope, seed,
-                                                          b * nheads + h, threshold, MODS, 0, HAS_DROPOUT, False, HALF_M, BLOCK_N,
-                                                          dtype)
+                                                          diag_offset, slope, seed, b * nheads + h, call, MODS, 0,
+                                                          HAS_DROPOUT, False, HALF_M, BLOCK_N, dtype)
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 for j in range(1, n_blocks):
                     prev = (it + j - 1) % NUM_STAGES
@@ -435,10 +538,8 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                     if TURNS:  # then the other's
                         named_barrier_sm90(TURN_BARRIER + 1 - half, True)
                     p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, lo + j * BLOCK_N, full_lo, full_hi,
-                                                          sk_b, diag_offset, left, right, qk_scale, softcap, slope,
-                                                          seed, b * nheads + h, threshold, MODS, 1, HAS_DROPOUT, False,
-                                                          HALF_M, BLOCK_N,
-                                                          dtype)
+                                                          sk_b, diag_offset, slope, seed, b * nheads + h, call, MODS,
+                                                          1, HAS_DROPOUT, False, HALF_M, BLOCK_N, dtype)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     # P_{j-1} is a register operand of the product in flight: it stays untouched until the
                     # product is done
@@ -478,10 +579,8 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
                         k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
                         s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                         p, alpha, m_i, l_i = _fwd_sm90_scores(s_tok, m_i, l_i, row0, start_n, own_full_lo, own_full_hi,
-                                                              sk_b, diag_offset, left, right, qk_scale, softcap, slope,
-                                                              seed, b * nheads + h, threshold, MODS, 0, HAS_DROPOUT,
-                                                              ROWSUM_MMA, HALF_M,
-                                                              BLOCK_N, dtype)
+                                                              sk_b, diag_offset, slope, seed, b * nheads + h, call,
+                                                              MODS, 0, HAS_DROPOUT, ROWSUM_MMA, HALF_M, BLOCK_N, dtype)
                         mbarrier.arrive(k_empty.index(stage), count=1)
                         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                         if ROWSUM_MMA:
@@ -508,18 +607,15 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
             q_loads += 1
         if DEFER_PV:
             if n_blocks == 0:  # rows that see no key: stored at once
-                _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q,
-                                   stride_ob, stride_om, stride_oh, dropout_scale, o_desc, q_bufs, False, HAS_SINK,
-                                   HAS_DROPOUT, IS_VARLEN, HEAD_DIM, False)
+                _fwd_sm90_epilogue(acc, m_i, l_i, b, h, row0, q_start, sq_b, o_desc, q_bufs, False, call, CFG, False)
         else:
             if ROWSUM_MMA:
                 l_i = gl.max(l_i, 1)
             by_tma = n_blocks > 0
             if IS_VARLEN:
                 by_tma = by_tma & (row0 + HALF_M <= sq_b)
-            _fwd_sm90_epilogue(acc, m_i, l_i, Out, Lse, Sink, b, h, row0, q_start, sq_b, nheads, total_q, stride_ob,
-                               stride_om, stride_oh, dropout_scale, o_desc, q_bufs.index(CONSUMERS * qs + half),
-                               by_tma, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM, Q_AFTER_OUT)
+            _fwd_sm90_epilogue(acc, m_i, l_i, b, h, row0, q_start, sq_b, o_desc, q_bufs.index(CONSUMERS * qs + half),
+                               by_tma, call, CFG, Q_AFTER_OUT)
             if Q_AFTER_OUT:
                 if n_blocks > 0:
                     mbarrier.arrive(q_empty.index(qs), count=1)  # its rows are out: the Q buffer is free
@@ -535,9 +631,8 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
             o_tok = warpgroup_mma(p_last, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc_last, is_async=True)
             acc_last, p_last = warpgroup_mma_wait(0, deps=(o_tok, p_last))
             mbarrier.arrive(v_empty.index(last), count=1)
-            _fwd_sm90_epilogue(acc_last, m_last, l_last, Out, Lse, Sink, b_last, h_last, row0_last, q_start_last,
-                               sq_b_last, nheads, total_q, stride_ob, stride_om, stride_oh, dropout_scale, o_desc,
-                               q_bufs, False, HAS_SINK, HAS_DROPOUT, IS_VARLEN, HEAD_DIM, False)
+            _fwd_sm90_epilogue(acc_last, m_last, l_last, b_last, h_last, row0_last, q_start_last, sq_b_last, o_desc,
+                               q_bufs, False, call, CFG, False)
 
 
 @gluon.jit(do_not_specialize=["n_tiles", "head_chunk", "n_m", "sq", "sk", "left", "right", "total_q", "total_k",
@@ -545,11 +640,7 @@ def _fwd_sm90_consume(Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_e
 def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink,
                      Slopes, stride_ob, stride_om, stride_oh, n_tiles, head_chunk, n_m, nheads, group, sq, sk,
                      left, right, qk_scale, softcap, threshold, dropout_scale, total_q, total_k, stride_slope_b,
-                     stride_slope_h, MODS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     Q_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                     HAS_DROPOUT: gl.constexpr, CONSUMERS: gl.constexpr, IS_VARLEN: gl.constexpr,
-                     HAS_SEQUSED: gl.constexpr, HAS_SINK: gl.constexpr,
-                     HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr, O_TMA: gl.constexpr):
+                     stride_slope_h, MODS: gl.constexpr, CFG: gl.constexpr):
     """Persistent: a program per SM works through the n_m x heads x batch row blocks
     (_fwd_sm90_tile; with HEAD_CHUNKED in chunks of head_chunk heads), taking the next from a
     counter (_fwd_sm90_fetch), so one tile's output leaves while the next one's Q and K/V come in.
@@ -561,7 +652,11 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng,
     their columns past it read as zeros, and the output's are not stored. O_TMA: o_desc, a box of a
     consumer's rows of Out (BSHD; packed: (1, total, heads, d)), takes the output rows
     (_fwd_sm90_epilogue); without it o_desc is q_desc and not read (a partition's argument cannot
-    be None). Pointers and descriptors come before the scalars, as ops._launch.Prepared passes them."""
+    be None). Pointers and descriptors come before the scalars, as ops._launch.Prepared passes them.
+    MODS: the score and mask mods (ops.mods.Mods); CFG: the kernel's other constexprs (ForwardFlags)."""
+    CONSUMERS: gl.constexpr = CFG.CONSUMERS
+    Q_STAGES: gl.constexpr = CFG.Q_STAGES
+    NUM_STAGES: gl.constexpr = CFG.NUM_STAGES
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -574,10 +669,7 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng,
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # three consumers take the row sums l on the tensor cores (P times columns of ones), except with
-    # dropout, whose l sums P before the mask; with two, the added registers spill
-    ROWSUM_MMA: gl.constexpr = (not HAS_DROPOUT) and CONSUMERS == 3
-    if ROWSUM_MMA:
+    if CFG.ROWSUM_MMA:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
         ones = gl.allocate_shared_memory(k_desc.dtype, [8, BLOCK_N], gl.NVMMASharedLayout(128, 16),
                                          gl.full([8, BLOCK_N], 1.0, k_desc.dtype,
@@ -597,53 +689,23 @@ def _fwd_kernel_sm90(Out, Lse, TileCounter, q_desc, k_desc, v_desc, o_desc, Rng,
         mbarrier.init(tile_ready.index(i), count=1)
         mbarrier.init(tile_free.index(i), count=CONSUMERS)
 
-    # the partitions and their arguments are spelled out in place: a tuple built by concatenation
-    # inside the jit function loses the constexpr-ness of MODS.left / MODS.right, and one held in a
-    # variable cannot hold the partition's function
+    ring = FwdRing(q_bufs, k_bufs, v_bufs, ones, tile_ids, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                   tile_ready, tile_free)
+    call = FwdCall(Out, Lse, TileCounter, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes, stride_ob, stride_om, stride_oh,
+                   n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, qk_scale, softcap, threshold,
+                   dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h)
+    # a partition's arguments are written in place (a tuple held in a variable cannot carry its function)
     if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
-                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads,
-                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
-            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
-                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads,
-                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
-            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
-                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 2, n_tiles, head_chunk, n_m, nheads,
-                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
-            (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
-                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
-                              nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
-                              MODS, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
-        ], [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
+        gl.warp_specialize([(_fwd_sm90_consume, (o_desc, ring, call, 0, MODS, CFG)),
+                            (_fwd_sm90_consume, (o_desc, ring, call, 1, MODS, CFG)),
+                            (_fwd_sm90_consume, (o_desc, ring, call, 2, MODS, CFG)),
+                            (_fwd_sm90_load, (q_desc, k_desc, v_desc, ring, call, MODS, CFG))],
+                           [4, 4, 1], [HOPPER_THREE_CONSUMER_REGS, HOPPER_THREE_CONSUMER_REGS, HOPPER_LOADER_REGS])
     else:
-        gl.warp_specialize([
-            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
-                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 0, n_tiles, head_chunk, n_m, nheads,
-                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
-            (_fwd_sm90_consume, (Out, Lse, o_desc, q_bufs, k_bufs, v_bufs, ones, q_bar, q_empty, k_ready, v_ready,
-                                 k_empty, v_empty, tile_ids, tile_ready, tile_free, 1, n_tiles, head_chunk, n_m, nheads,
-                                 group, sq, sk, left, right, qk_scale, softcap, stride_ob, stride_om, stride_oh, Rng,
-                                 threshold, dropout_scale, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k, Sink,
-                                 Slopes, stride_slope_b, stride_slope_h, MODS, HEAD_CHUNKED, PERSISTENT, HAS_DROPOUT,
-                                 ROWSUM_MMA, IS_VARLEN, HAS_SEQUSED, HAS_SINK, HEAD_DIM, O_TMA)),
-            (_fwd_sm90_load, (TileCounter, q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready,
-                              v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_free, n_tiles, head_chunk, n_m,
-                              nheads, group, sq, sk, left, right, CuSeqQ, CuSeqK, SeqUsedK, total_q, total_k,
-                              MODS, HEAD_CHUNKED, PERSISTENT, IS_VARLEN, HAS_SEQUSED)),
-        ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
+        gl.warp_specialize([(_fwd_sm90_consume, (o_desc, ring, call, 0, MODS, CFG)),
+                            (_fwd_sm90_consume, (o_desc, ring, call, 1, MODS, CFG)),
+                            (_fwd_sm90_load, (q_desc, k_desc, v_desc, ring, call, MODS, CFG))],
+                           [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
 def refusal(q, k, v, out, qk_scale, varlen, alibi_slopes) -> str | None:
@@ -716,10 +778,11 @@ def plan(env: list, cfg, softmax_scale: float, window: tuple, softcap: float, va
             (*out_strides[:3], n_tiles, chunk, n_m, h, h // hk, sq, sk, left or 0, right or 0, qk_scale, softcap,
              threshold, dropout_scale, total_q, total_k, *alibi_strides(alibi_slopes)),
             cfg.num_warps, None, hopper_forward_maxnreg(consumers),
-            dict(MODS=Mods.of(window, softcap, alibi_slopes), NUM_STAGES=cfg.num_stages,
-                 Q_STAGES=configs.hopper_forward_q_stages(dp), PERSISTENT=persistent,
-                 HAS_DROPOUT=has_dropout, CONSUMERS=consumers, IS_VARLEN=vl_flags["IS_VARLEN"],
-                 HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_SINK=sink is not None,
-                 HEAD_CHUNKED=configs.hopper_forward_chunked(dp, right is not None),
-                 HEAD_DIM=d, O_TMA=o_tma))
+            dict(MODS=Mods.of(window, softcap, alibi_slopes),
+                 CFG=ForwardFlags(HEAD_DIM=d, NUM_STAGES=cfg.num_stages, Q_STAGES=configs.hopper_forward_q_stages(dp),
+                                  CONSUMERS=consumers, PERSISTENT=persistent,
+                                  HEAD_CHUNKED=configs.hopper_forward_chunked(dp, right is not None),
+                                  IS_VARLEN=vl_flags["IS_VARLEN"], HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
+                                  HAS_DROPOUT=has_dropout, HAS_SINK=sink is not None, O_TMA=o_tma,
+                                  ROWSUM_MMA=not has_dropout and consumers == 3)))
 
