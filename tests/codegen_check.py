@@ -178,12 +178,11 @@ def compile_hopper_backward(d: int, causal: bool, dropout: bool = False, varlen:
     cfg = configs.hopper_backward_tiles(d, dropout, softcap)
     kernel = backward_sm90._bwd_kernel_sm90
     names = [p.name for p in kernel.params]
-    const = dict(MODS=Mods(right=causal, softcap=softcap, alibi=alibi), NUM_STAGES=cfg.num_stages,
-                 DEFER_DQ=configs.hopper_backward_defer_dq(d, causal, deterministic),
-                 SPLIT_D=configs.hopper_backward_split_d(d),
-                 HAS_DROPOUT=dropout, IS_VARLEN=varlen, HAS_SEQUSED=False, SeqUsedK=None,
-                 HEAD_CHUNKED=configs.hopper_backward_chunked(d, causal, deterministic),
-                 HEAD_DIM=head_dim, DETERMINISTIC=deterministic)
+    flags = backward_sm90.BackwardFlags(
+        HEAD_DIM=head_dim, NUM_STAGES=cfg.num_stages, DEFER_DQ=configs.hopper_backward_defer_dq(d, causal, deterministic),
+        SPLIT_D=configs.hopper_backward_split_d(d), HEAD_CHUNKED=configs.hopper_backward_chunked(d, causal, deterministic),
+        IS_VARLEN=varlen, HAS_SEQUSED=False, HAS_DROPOUT=dropout, DETERMINISTIC=deterministic)
+    const = dict(MODS=Mods(right=causal, softcap=softcap, alibi=alibi), CFG=flags, SeqUsedK=None)
     if not deterministic:
         const["Turns"] = None
     if not alibi:

@@ -27,7 +27,8 @@ program owns 64 keys and the warpgroups split the head dim instead: each compute
 takes the dV, dK and dQ products in its 128 columns (_bwd_sm90_step_split).
 """
 
-from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from triton._C.libtriton import ir
@@ -41,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.core import _aggregate as aggregate
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, Plan, cdiv
@@ -85,8 +87,118 @@ from flashtile.ops.sm90 import (
     HOPPER_CONSUMER_REGS,
     HOPPER_LOADER_REGS,
     HOPPER_MAXNREG,
+    VALUE,
+    kept,
     named_barrier_sm90,
 )
+
+
+class BackwardFlags(NamedTuple):
+    """_bwd_kernel_sm90's constexprs other than the mods (CFG), built once per plan (plan)."""
+
+    HEAD_DIM: int  # the tensors' head dim (the boxes' may be wider: configs.hopper_head_dim)
+    NUM_STAGES: int  # Q / dO buffers
+    DEFER_DQ: bool  # step i issues step i-1's dQ product (configs.hopper_backward_defer_dq)
+    SPLIT_D: bool  # d=256: the warpgroups split the head dim (configs.hopper_backward_split_d)
+    HEAD_CHUNKED: bool  # programs in chunks of (batch, K/V head) rows (configs.hopper_backward_chunked)
+    IS_VARLEN: bool
+    HAS_SEQUSED: bool
+    HAS_DROPOUT: bool
+    DETERMINISTIC: bool  # dQ's additions in a fixed order (the writer partition)
+
+
+@aggregate
+class BwdRing:
+    """The shared memory the backward's partitions hand each other: the Q / dO ring with the rows'
+    LSE and delta, the program's K and V, dS (and with SPLIT_D P), the dQ staging buffers and
+    their barriers."""
+
+    q_bufs: gl.shared_memory_descriptor
+    do_bufs: gl.shared_memory_descriptor
+    k_bufs: gl.shared_memory_descriptor
+    v_bufs: gl.shared_memory_descriptor
+    lse_bufs: gl.shared_memory_descriptor
+    delta_bufs: gl.shared_memory_descriptor
+    ds_bufs: gl.shared_memory_descriptor
+    dq_bufs: gl.shared_memory_descriptor
+    dq_full: gl.shared_memory_descriptor
+    dq_empty: gl.shared_memory_descriptor
+    kv_bar: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    do_ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    ds_ready: gl.shared_memory_descriptor
+    done: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, dq_full, dq_empty,
+                 kv_bar, q_ready, do_ready, empty, ds_ready, done):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, value)
+
+
+@aggregate
+class BwdCall:
+    """_bwd_kernel_sm90's runtime arguments that the partitions read, by name (its docstring says
+    what each is)."""
+
+    Rng: VALUE
+    DK: VALUE
+    DV: VALUE
+    Slopes: VALUE
+    Turns: VALUE
+    stride_dkn: VALUE
+    stride_dkh: VALUE
+    stride_dvn: VALUE
+    stride_dvh: VALUE
+    nheads: VALUE
+    left: VALUE
+    right: VALUE
+    rows_pad: VALUE
+    qk_scale: VALUE
+    dk_scale: VALUE
+    threshold: VALUE
+    dropout_scale: VALUE
+    softcap: VALUE
+    stride_slope_b: VALUE
+    stride_slope_h: VALUE
+
+    @gluon.constexpr_function
+    def __init__(self, Rng, DK, DV, Slopes, Turns, stride_dkn, stride_dkh, stride_dvn, stride_dvh, nheads, left, right,
+                 rows_pad, qk_scale, dk_scale, threshold, dropout_scale, softcap, stride_slope_b, stride_slope_h):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, kept(value))
+
+
+@aggregate
+class BwdProgram:
+    """What a program works on, found before the partitions start: batch (or sequence) b, the
+    copies' batch coordinate tb and first rows q0 / keys k0, K/V head hk and its group of query
+    heads, its keys from start_n, the rows lo .. in n_m Q blocks that see them (full_lo .. full_hi
+    without a mask), the sequence's lengths sq / sk and diag_offset = sk - sq."""
+
+    b: VALUE
+    tb: VALUE
+    q0: VALUE
+    k0: VALUE
+    hk: VALUE
+    group: VALUE
+    start_n: VALUE
+    lo: VALUE
+    n_m: VALUE
+    full_lo: VALUE
+    full_hi: VALUE
+    sq: VALUE
+    sk: VALUE
+    diag_offset: VALUE
+
+    @gluon.constexpr_function
+    def __init__(self, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, kept(value))
 
 
 @builtin
@@ -123,14 +235,18 @@ def _dq_counted(counter):
 
 
 @gluon.jit
-def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads, rows_pad,
-                       start_n, lo, n_m, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       MODS: gl.constexpr):
+def _bwd_sm90_write_dq(dq_desc, ring, call, prog, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MODS: gl.constexpr):
     """dQ writer partition (DETERMINISTIC, not with SPLIT_D): step by step (the consumers' order) it
     waits for the step's Q block to have had every earlier addition (dq_turn, on its counter in
     Turns: one per Q block of rows_pad and query head, b the sequence or batch), then for both
     consumers' parts of the dQ tile, reduces them into the fp32 dQ at (tb, q0 + rows) by TMA (as
     _bwd_sm90_dq_out's), hands the buffers back once read and counts its addition once complete."""
+    dq_bufs, dq_full, dq_empty, Turns, nheads = ring.dq_bufs, ring.dq_full, ring.dq_empty, call.Turns, call.nheads
+    rows_pad = call.rows_pad
+    b, tb, q0, hk, group = prog.b, prog.tb, prog.q0, prog.hk, prog.group
+    start_n, lo, n_m, sq = prog.start_n, prog.lo, prog.n_m, prog.sq
+    sk = prog.sk
+    left, right = call.left, call.right
     a, c = dq_order(start_n // BLOCK_N, gl.cdiv(sk, BLOCK_N), sq, sk, left, right, BLOCK_M, BLOCK_N, MODS)
     m_blocks = rows_pad // BLOCK_M
     for i in range(group * n_m):
@@ -148,14 +264,17 @@ def _bwd_sm90_write_dq(dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk
 
 
 @gluon.jit
-def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                   lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads, rows_pad,
-                   start_n, lo, n_m):
+def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, ring, call, prog):
     """Loader partition: the program's K and V (one buffer per key half, or one for all with
     SPLIT_D), then for step i (head g = i // n_m of the group, Q block i % n_m) Q with its LSE and
     dO with its delta into buffer i % NUM_STAGES once both consumers have freed it. A program whose
     keys no row sees loads nothing. The copies address batch tb from row q0 (Q, dO) and k0 (K, V):
     b, 0, 0 for a dense batch, 0 and the sequence's first rows for a packed one."""
+    q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs = ring.q_bufs, ring.do_bufs, ring.k_bufs, ring.v_bufs, ring.lse_bufs
+    delta_bufs, kv_bar, q_ready, do_ready, empty = ring.delta_bufs, ring.kv_bar, ring.q_ready, ring.do_ready, ring.empty
+    b, tb, q0, k0, hk = prog.b, prog.tb, prog.q0, prog.k0, prog.hk
+    group, start_n, lo, n_m = prog.group, prog.start_n, prog.lo, prog.n_m
+    nheads, rows_pad = call.nheads, call.rows_pad
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     KEY_ROWS: gl.constexpr = k_desc.block_type.shape[1]
@@ -182,13 +301,7 @@ def _bwd_sm90_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 
 
 @gluon.jit
-def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                      dq_bufs, handoff, kv_bar, q_ready, do_ready, empty, ds_ready, done, half, b, tb, q0, k0, hk,
-                      group, start_n, lo, n_m, full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap,
-                      dk_scale, Rng, nheads, threshold, dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn,
-                      stride_dvh, Slopes, stride_slope_b, stride_slope_h, MODS: gl.constexpr, DEFER_DQ: gl.constexpr,
-                      HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, ring, call, prog, half, MODS: gl.constexpr, CFG: gl.constexpr):
     """A consumer warpgroup: dK, dV of keys start_n + half * HALF_N onwards, and its half of the
     columns of each Q block's dQ; with SPLIT_D (one K/V buffer) dK, dV of all the program's keys in
     its half of the head dim's columns (_bwd_sm90_step_split). DEFER_DQ: step i issues step i-1's
@@ -205,6 +318,21 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
     and at HEAD_DIM;
     tb, q0, k0 as _bwd_sm90_load's. dk_scale: dK's factor at the end, softmax_scale times
     backward_ds_unit."""
+    q_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs = ring.q_bufs, ring.k_bufs, ring.v_bufs, ring.ds_bufs, ring.dq_bufs
+    kv_bar, ds_ready, done = ring.kv_bar, ring.ds_ready, ring.done
+    handoff = (ring.dq_full, ring.dq_empty)
+    b, q0, k0, hk, group = prog.b, prog.q0, prog.k0, prog.hk, prog.group
+    start_n, lo, n_m, sk = prog.start_n, prog.lo, prog.n_m, prog.sk
+    Rng, DK, DV, Slopes, stride_dkn, stride_dkh = call.Rng, call.DK, call.DV, call.Slopes, call.stride_dkn, call.stride_dkh
+    stride_dvn, stride_dvh, nheads = call.stride_dvn, call.stride_dvh, call.nheads
+    qk_scale, dk_scale, threshold, dropout_scale = call.qk_scale, call.dk_scale, call.threshold, call.dropout_scale
+    stride_slope_b, stride_slope_h = call.stride_slope_b, call.stride_slope_h
+    tb = prog.tb
+    DEFER_DQ: gl.constexpr = CFG.DEFER_DQ
+    HAS_DROPOUT: gl.constexpr = CFG.HAS_DROPOUT
+    IS_VARLEN: gl.constexpr = CFG.IS_VARLEN
+    HEAD_DIM: gl.constexpr = CFG.HEAD_DIM
+    DETERMINISTIC: gl.constexpr = CFG.DETERMINISTIC
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]  # this warpgroup's keys (with SPLIT_D, the program's)
     BLOCK_D: gl.constexpr = k_bufs.shape[4]
@@ -242,29 +370,15 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
         if n_steps > 0:
             mbarrier.wait(kv_bar, 0)
         for i in range(n_steps):
-            dk, dv = _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                          q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo,
-                                          n_m,
-                                          full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, start_n,
-                                          dq_zero, drop, alibi, MODS, HAS_DROPOUT)
+            dk, dv = _bwd_sm90_step_split(i, dk, dv, ring, call, prog, dq_desc, half, dq_zero, drop, alibi, MODS, HAS_DROPOUT)
     elif n_steps > 0:
         mbarrier.wait(kv_bar, 0)
         if DEFER_DQ:
-            dk, dv = _bwd_sm90_step(0, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                    dq_bufs, handoff, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk,
-                                    group, lo,
-                                    n_m,
-                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
-                                    s_zero, dq_zero, drop, alibi, MODS, True, False,
-                                    HAS_DROPOUT, DETERMINISTIC)
+            dk, dv = _bwd_sm90_step(0, dk, dv, ring, call, prog, dq_desc, half, key0, offs_n, s_zero, dq_zero, drop,
+                                    alibi, MODS, True, False, HAS_DROPOUT, DETERMINISTIC)
         for i in range(1 if DEFER_DQ else 0, n_steps):
-            dk, dv = _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs,
-                                    dq_bufs, handoff, q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk,
-                                    group, lo,
-                                    n_m,
-                                    full_lo, full_hi, sk, diag_offset, left, right, qk_scale, softcap, key0, offs_n,
-                                    s_zero, dq_zero, drop, alibi, MODS, DEFER_DQ, DEFER_DQ,
-                                    HAS_DROPOUT, DETERMINISTIC)
+            dk, dv = _bwd_sm90_step(i, dk, dv, ring, call, prog, dq_desc, half, key0, offs_n, s_zero, dq_zero, drop,
+                                    alibi, MODS, DEFER_DQ, DEFER_DQ, HAS_DROPOUT, DETERMINISTIC)
         if DEFER_DQ:
             last = n_steps - 1
             NAMED_DS: gl.constexpr = not MODS.alibi  # _bwd_sm90_step's, DEFER_DQ being set here
@@ -310,9 +424,7 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs
 
 
 @gluon.jit
-def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, handoff,
-                   q_ready, do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
-                   diag_offset, left, right, qk_scale, softcap, key0, offs_n, s_zero, dq_zero, drop, alibi,
+def _bwd_sm90_step(i, dk, dv, ring, call, prog, dq_desc, half, key0, offs_n, s_zero, dq_zero, drop, alibi,
                    MODS: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                    DETERMINISTIC: gl.constexpr):
     """Step i of a consumer warpgroup (head hk * group + i // n_m, Q block i % n_m): dV += P^T dO
@@ -320,6 +432,14 @@ def _bwd_sm90_step(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_b
     step i-1's dQ first (HAS_PREV); dQ goes to batch tb, rows from q0 (_bwd_sm90_load's). With
     HAS_DROPOUT, dS is in units of backward_ds_unit (so are dK and the dQ it adds). Returns dK,
     dV."""
+    q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs = ring.q_bufs, ring.do_bufs, ring.k_bufs, ring.v_bufs, ring.lse_bufs
+    delta_bufs, ds_bufs, dq_bufs, q_ready, do_ready = ring.delta_bufs, ring.ds_bufs, ring.dq_bufs, ring.q_ready, ring.do_ready
+    empty, ds_ready = ring.empty, ring.ds_ready
+    handoff = (ring.dq_full, ring.dq_empty)
+    tb, q0, hk, group, lo = prog.tb, prog.q0, prog.hk, prog.group, prog.lo
+    n_m, full_lo, full_hi = prog.n_m, prog.full_lo, prog.full_hi
+    sk, diag_offset = prog.sk, prog.diag_offset
+    left, right, qk_scale, softcap = call.left, call.right, call.qk_scale, call.softcap
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     HALF_N: gl.constexpr = k_bufs.shape[2]
@@ -449,10 +569,7 @@ def _bwd_sm90_dq_product(ds_bufs, k_bufs, ds_ready, i, half, dq_zero, NAMED: gl.
 
 
 @gluon.jit
-def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, q_ready,
-                         do_ready, empty, ds_ready, dq_desc, half, tb, q0, hk, group, lo, n_m, full_lo, full_hi, sk,
-                         diag_offset, left, right, qk_scale, softcap, start_n, dq_zero, drop, alibi,
-                         MODS: gl.constexpr,
+def _bwd_sm90_step_split(i, dk, dv, ring, call, prog, dq_desc, half, dq_zero, drop, alibi, MODS: gl.constexpr,
                          HAS_DROPOUT: gl.constexpr):
     """Step i with SPLIT_D (FA3's schedule at d=256). The warpgroups split S = Q K^T and dP = dO V^T
     by keys, 32 each, and leave their columns of P and dS in shared memory; once both have, each
@@ -461,6 +578,13 @@ def _bwd_sm90_step_split(i, dk, dv, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, d
     warpgroup's columns of the step's Q (first quarter) and dO (second) buffers: by then every
     other reader of those bytes is done (the S and dP products of both warpgroups come before the
     exchange, dK and dV read only this warpgroup's columns). Returns dK, dV."""
+    q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs = ring.q_bufs, ring.do_bufs, ring.k_bufs, ring.v_bufs, ring.lse_bufs
+    delta_bufs, ds_bufs, q_ready, do_ready, empty = ring.delta_bufs, ring.ds_bufs, ring.q_ready, ring.do_ready, ring.empty
+    ds_ready = ring.ds_ready
+    tb, q0, hk, group, lo = prog.tb, prog.q0, prog.hk, prog.group, prog.lo
+    n_m, full_lo, full_hi = prog.n_m, prog.full_lo, prog.full_hi
+    sk, diag_offset, start_n = prog.sk, prog.diag_offset, prog.start_n
+    left, right, qk_scale, softcap = call.left, call.right, call.qk_scale, call.softcap
     NUM_STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[2]
@@ -591,11 +715,7 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
                      CuSeqQ, CuSeqK, SeqUsedK, DK, DV, Slopes, Turns, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                      nheads, nheads_k, sq, sk, left, right, rows_pad, head_chunk, qk_scale, dk_scale, threshold,
                      dropout_scale, total_q, total_k, softcap, stride_slope_b, stride_slope_h,
-                     MODS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     DEFER_DQ: gl.constexpr, SPLIT_D: gl.constexpr,
-                     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-                     HEAD_CHUNKED: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr):
+                     MODS: gl.constexpr, CFG: gl.constexpr):
     """Grid: (key blocks, K/V heads, batch), key block 0 first, the longest with a causal mask (with
     DETERMINISTIC under a right bound, the last key block first: see below); or
     with HEAD_CHUNKED (configs.hopper_backward_chunked) a 1D grid of the same programs in
@@ -618,14 +738,19 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     blocks are launched last first, so a program only waits for programs launched before it (this
     relies on the GPU starting programs in launch order, as FlashAttention-3's deterministic
     backward does; a program waiting on one not yet started would wait forever).
-    Pointers and descriptors come before the scalars, as ops._launch.Prepared passes them."""
+    Pointers and descriptors come before the scalars, as ops._launch.Prepared passes them.
+    MODS: the score and mask mods (ops.mods.Mods); CFG: the kernel's other constexprs (BackwardFlags)."""
+    NUM_STAGES: gl.constexpr = CFG.NUM_STAGES
+    SPLIT_D: gl.constexpr = CFG.SPLIT_D
+    IS_VARLEN: gl.constexpr = CFG.IS_VARLEN
+    DETERMINISTIC: gl.constexpr = CFG.DETERMINISTIC
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     WG_KEYS: gl.constexpr = k_desc.block_type.shape[1]  # a consumer warpgroup's keys
     KEY_BUFS: gl.constexpr = 1 if SPLIT_D else 2
     BLOCK_N: gl.constexpr = KEY_BUFS * WG_KEYS
     n_kb = gl.cdiv(sk, BLOCK_N)  # the longest sequence's key blocks (before seq_bounds)
     gl.static_assert(not (DETERMINISTIC and SPLIT_D), "SPLIT_D's dQ has no writer partition")
-    pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, head_chunk, HEAD_CHUNKED, DETERMINISTIC,
+    pid, bhk = key_block_program(n_kb, gl.num_programs(0) // n_kb, head_chunk, CFG.HEAD_CHUNKED, DETERMINISTIC,
                                  MODS)
     start_n = pid * BLOCK_N
     # b and hk by div / mod of one index, as when the grid was (key blocks, batch x kv heads):
@@ -633,7 +758,8 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
     b = bhk // nheads_k
     hk = bhk % nheads_k
     group = nheads // nheads_k
-    q0, sq, k0, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN, HAS_SEQUSED, False)
+    q0, sq, k0, sk = seq_bounds(b, CuSeqQ, CuSeqK, SeqUsedK, sq, sk, total_q, total_k, IS_VARLEN, CFG.HAS_SEQUSED,
+                                False)
     tb = 0 if IS_VARLEN else b
     diag_offset = sk - sq
     # rows that can see this key block: the block_range of keys-over-rows (offset and sides swap)
@@ -680,52 +806,24 @@ def _bwd_kernel_sm90(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_d
             mbarrier.init(dq_full.index(half), count=1)
             mbarrier.init(dq_empty.index(half), count=1)
 
-    # arguments spelled out per partition (see _fwd_kernel_sm90), in full in both branches: Gluon
-    # turns the constexprs of a list built by + or if-else into plain values, which a partition's
-    # arguments cannot take. DETERMINISTIC adds the dQ writer, whose warp shares the loader's
-    # warpgroup of registers.
+    ring = BwdRing(q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs, dq_full, dq_empty, kv_bar,
+                   q_ready, do_ready, empty, ds_ready, done)
+    call = BwdCall(Rng, DK, DV, Slopes, Turns, stride_dkn, stride_dkh, stride_dvn, stride_dvh, nheads, left, right,
+                   rows_pad, qk_scale, dk_scale, threshold, dropout_scale, softcap, stride_slope_b, stride_slope_h)
+    prog = BwdProgram(b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset)
+    # a partition's arguments are written in place (see _fwd_kernel_sm90). DETERMINISTIC adds the dQ
+    # writer, whose warp shares the loader's warpgroup of registers
     if DETERMINISTIC:
-        gl.warp_specialize([
-            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
-                                 ds_ready, done, 0, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
-                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
-                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
-                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
-            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
-                                 ds_ready, done, 1, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
-                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
-                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
-                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
-            (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                              lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
-                              rows_pad, start_n, lo, n_m)),
-            (_bwd_sm90_write_dq, (dq_desc, dq_bufs, dq_full, dq_empty, Turns, b, tb, q0, hk, group, nheads,
-                                  rows_pad, start_n, lo, n_m, sq, sk, left, right, BLOCK_M, BLOCK_N, MODS)),
-        ], [4, 1, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_LOADER_REGS])
+        gl.warp_specialize([(_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, ring, call, prog, 0, MODS, CFG)),
+                            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, ring, call, prog, 1, MODS, CFG)),
+                            (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, ring, call, prog)),
+                            (_bwd_sm90_write_dq, (dq_desc, ring, call, prog, BLOCK_M, BLOCK_N, MODS))],
+                           [4, 1, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS, HOPPER_LOADER_REGS])
     else:
-        gl.warp_specialize([
-            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
-                                 ds_ready, done, 0, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
-                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
-                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
-                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
-            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
-                                 ds_bufs, dq_bufs, (dq_full, dq_empty), kv_bar, q_ready, do_ready, empty,
-                                 ds_ready, done, 1, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi,
-                                 sk, diag_offset, left, right, qk_scale, softcap, dk_scale, Rng, nheads, threshold,
-                                 dropout_scale, DK, DV, stride_dkn, stride_dkh, stride_dvn, stride_dvh, Slopes,
-                                 stride_slope_b, stride_slope_h, MODS, DEFER_DQ,
-                                 HAS_DROPOUT, IS_VARLEN, HEAD_DIM, DETERMINISTIC)),
-            (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                              lse_bufs, delta_bufs, kv_bar, q_ready, do_ready, empty, b, tb, q0, k0, hk, group, nheads,
-                              rows_pad, start_n, lo, n_m)),
-        ], [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
+        gl.warp_specialize([(_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, ring, call, prog, 0, MODS, CFG)),
+                            (_bwd_sm90_consume, (dk_desc, dv_desc, dq_desc, ring, call, prog, 1, MODS, CFG)),
+                            (_bwd_sm90_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, ring, call, prog))],
+                           [4, 1], [HOPPER_CONSUMER_REGS, HOPPER_LOADER_REGS])
 
 
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -824,10 +922,12 @@ def plan(env: list, cfg, softmax_scale, window, softcap, varlen, dropout, accumu
         (*grad_strides, h, hk, sq, sk, left or 0, right or 0, rows_pad, chunk, qk_scale, softmax_scale * ds_unit,
          threshold, dropout_scale, total_q, total_k, softcap2, *alibi_strides(alibi_slopes)),
         cfg.num_warps, None, HOPPER_MAXNREG,
-        dict(MODS=Mods.of(window, softcap, alibi_slopes), NUM_STAGES=cfg.num_stages,
-             DEFER_DQ=configs.hopper_backward_defer_dq(dp, right is not None, deterministic), SPLIT_D=split,
-             HAS_DROPOUT=has_dropout, IS_VARLEN=packed, HAS_SEQUSED=vl_flags["HAS_SEQUSED"],
-             HEAD_CHUNKED=chunked, HEAD_DIM=d, DETERMINISTIC=deterministic))
+        dict(MODS=Mods.of(window, softcap, alibi_slopes),
+             CFG=BackwardFlags(HEAD_DIM=d, NUM_STAGES=cfg.num_stages,
+                               DEFER_DQ=configs.hopper_backward_defer_dq(dp, right is not None, deterministic),
+                               SPLIT_D=split, HEAD_CHUNKED=chunked, IS_VARLEN=packed,
+                               HAS_SEQUSED=vl_flags["HAS_SEQUSED"], HAS_DROPOUT=has_dropout,
+                               DETERMINISTIC=deterministic)))
     # then dq = the sum scaled, or (accumulate_dq) dq += it from a buffer of its own, at ds_unit
     dq_scale = softmax_scale * ds_unit if not accumulate_dq else ds_unit if own_dq else 0.0
     return BackwardPlan((delta_launch, kernel_launch), zero_grads, False, b * h * rows_pad, own_dq, n_turns,

@@ -62,6 +62,8 @@ from flashtile.ops.sm90 import (
     HOPPER_MAXNREG,
     HOPPER_THREE_CONSUMER_REGS,
     HOPPER_THREE_MAXNREG,
+    VALUE,
+    kept,
     named_barrier_sm90,
 )
 from flashtile.ops.softmax import LN2, fold_sink
@@ -84,16 +86,6 @@ class ForwardFlags(NamedTuple):
     # three consumers take the row sums l on the tensor cores (P times columns of ones), except with
     # dropout, whose l sums P before the mask; with two, the added registers spill
     ROWSUM_MMA: bool
-
-
-@gluon.constexpr_function
-def _kept(x):
-    """An aggregate field's value: a runtime value as it is, else (what Triton specialised: an int
-    of 1, an absent tensor) a constexpr."""
-    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
-
-
-_VALUE = (gl.tensor, gl.constexpr)  # a field that is a runtime value or a constexpr (_kept)
 
 
 @aggregate
@@ -129,35 +121,35 @@ class FwdCall:
     """_fwd_kernel_sm90's runtime arguments but its descriptors, by name (its docstring says what
     each is): the partitions read what they need of them."""
 
-    Out: _VALUE
-    Lse: _VALUE
-    TileCounter: _VALUE
-    Rng: _VALUE
-    CuSeqQ: _VALUE
-    CuSeqK: _VALUE
-    SeqUsedK: _VALUE
-    Sink: _VALUE
-    Slopes: _VALUE
-    stride_ob: _VALUE
-    stride_om: _VALUE
-    stride_oh: _VALUE
-    n_tiles: _VALUE
-    head_chunk: _VALUE
-    n_m: _VALUE
-    nheads: _VALUE
-    group: _VALUE
-    sq: _VALUE
-    sk: _VALUE
-    left: _VALUE
-    right: _VALUE
-    qk_scale: _VALUE
-    softcap: _VALUE
-    threshold: _VALUE
-    dropout_scale: _VALUE
-    total_q: _VALUE
-    total_k: _VALUE
-    stride_slope_b: _VALUE
-    stride_slope_h: _VALUE
+    Out: VALUE
+    Lse: VALUE
+    TileCounter: VALUE
+    Rng: VALUE
+    CuSeqQ: VALUE
+    CuSeqK: VALUE
+    SeqUsedK: VALUE
+    Sink: VALUE
+    Slopes: VALUE
+    stride_ob: VALUE
+    stride_om: VALUE
+    stride_oh: VALUE
+    n_tiles: VALUE
+    head_chunk: VALUE
+    n_m: VALUE
+    nheads: VALUE
+    group: VALUE
+    sq: VALUE
+    sk: VALUE
+    left: VALUE
+    right: VALUE
+    qk_scale: VALUE
+    softcap: VALUE
+    threshold: VALUE
+    dropout_scale: VALUE
+    total_q: VALUE
+    total_k: VALUE
+    stride_slope_b: VALUE
+    stride_slope_h: VALUE
 
     @gluon.constexpr_function
     def __init__(self, Out, Lse, TileCounter, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes, stride_ob, stride_om,
@@ -165,7 +157,7 @@ class FwdCall:
                  dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h):
         for name, value in dict(locals()).items():
             if name != "self":
-                setattr(self, name, _kept(value))
+                setattr(self, name, kept(value))
 
 
 def hopper_forward_maxnreg(consumers: int) -> int:
