@@ -45,7 +45,16 @@ from flashtile.ops.host import (
     tma_ok,
     varlen_args,
 )
-from flashtile.ops.masks import block_range, head_dim_mask, in_window, load_tile_pair, lse_row_base, seq_bounds, visible
+from flashtile.ops.masks import (
+    block_range,
+    head_dim_mask,
+    in_window,
+    load_tile_pair,
+    lse_row_base,
+    phase_blocks,
+    seq_bounds,
+    visible,
+)
 from flashtile.ops.mods import Mods, alibi_strides, kernel_scale, scores_log2
 from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.preprocess import _delta_kernel
@@ -176,27 +185,15 @@ def _dkdv_program(
         row_base = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN)
         lse_base = Lse + row_base
         delta_base = Delta + row_base
-        for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
-                                delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
-                                softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
-                                bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, True,
-                                EVEN_D, USE_TMA, MODS, DOT_PRECISION,
-                                HAS_DROPOUT)
-        for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
-                                delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
-                                softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
-                                bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, False,
-                                EVEN_D, USE_TMA, MODS, DOT_PRECISION,
-                                HAS_DROPOUT)
-        for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
-                                delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
-                                softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
-                                bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, True,
-                                EVEN_D, USE_TMA, MODS, DOT_PRECISION,
-                                HAS_DROPOUT)
+        for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
+            first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
+            for start_m in range(first, last, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
+                                    delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
+                                    softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
+                                    bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, phase != 1,
+                                    EVEN_D, USE_TMA, MODS, DOT_PRECISION,
+                                    HAS_DROPOUT)
 
     dk = dk * softmax_scale
     if HAS_DROPOUT:
@@ -299,24 +296,14 @@ def _dq_program(
         hi = tl.where(start_m < sq, hi, lo)
         full_lo = tl.minimum(full_lo, hi)
         full_hi = tl.minimum(full_hi, hi)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
-                      start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
-                      k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
-                      BLOCK_D, True, EVEN_D, USE_TMA, MODS,
-                      DOT_PRECISION, HAS_DROPOUT)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
-                      start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
-                      k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
-                      BLOCK_D, False, EVEN_D, USE_TMA, MODS,
-                      DOT_PRECISION, HAS_DROPOUT)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
-                      start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
-                      k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
-                      BLOCK_D, True, EVEN_D, USE_TMA, MODS,
-                      DOT_PRECISION, HAS_DROPOUT)
+    for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
+        first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
+        for start_n in range(first, last, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
+                          start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
+                          k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
+                          BLOCK_D, phase != 1, EVEN_D, USE_TMA, MODS,
+                          DOT_PRECISION, HAS_DROPOUT)
 
     dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqm \
         + offs_d[None, :] * stride_dqd

@@ -25,7 +25,16 @@ import triton.language as tl
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv
 from flashtile.ops.host import dot_precision, dropout_args, grid_lengths, seq_strides, varlen_args
-from flashtile.ops.masks import block_range, head_dim_mask, load_tile_pair, lse_row_base, page_of, seq_bounds, visible
+from flashtile.ops.masks import (
+    block_range,
+    head_dim_mask,
+    load_tile_pair,
+    lse_row_base,
+    page_of,
+    phase_blocks,
+    seq_bounds,
+    visible,
+)
 from flashtile.ops.mods import Mods, alibi_strides, kernel_scale, scores_log2
 from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.schedule import q_block_program
@@ -131,21 +140,13 @@ def _fwd_kernel(
 
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
                                            MODS.left, MODS.right)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
-                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-                                  table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
-                                  threshold, BLOCK_N, True, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
-                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-                                  table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
-                                  threshold, BLOCK_N, False, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
-                                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-                                  table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
-                                  threshold, BLOCK_N, True, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
+    for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
+        first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
+        for start_n in range(first, last, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
+                                      left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
+                                      table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
+                                      threshold, BLOCK_N, phase != 1, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
 
     if HAS_SINK:
         acc, l_i, m_i = fold_sink(acc, l_i, m_i, Sink, h)

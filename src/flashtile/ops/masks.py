@@ -70,6 +70,19 @@ def block_range(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, n_i
 
 
 @triton.jit
+def phase_blocks(PHASE: tl.constexpr, lo, full_lo, full_hi, hi):
+    """The blocks of block_range's phase PHASE (0, 1, 2): the masked ones before, those every row
+    sees whole (no mask work), the masked ones after. The loops run the three in a static_range,
+    with MASKED = PHASE != 1."""
+    if PHASE == 0:
+        return lo, full_lo
+    elif PHASE == 1:
+        return full_lo, full_hi
+    else:
+        return full_hi, hi
+
+
+@triton.jit
 def dq_order(n, n_blocks, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              MODS: tl.constexpr):
     """(a, c): what dq_turn needs of key block n (of n_blocks of BLOCK_N keys), computed once.
