@@ -44,14 +44,14 @@ def _device_guard(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def interpreter_on() -> bool:
-    return dispatch.interpreter_on()
+interpreter_on = dispatch.interpreter_on
 
 
 def backend_for(t: torch.Tensor) -> str:
     """"triton" (the kernels, compiled or interpreted) or "reference" for a tensor on t.device, by
     ops.dispatch.backend's rule."""
-    choice = dispatch.backend(t.device.type, _forced, interpreter_on())
+    cuda = t.is_cuda  # (the environment is read only for other devices: this runs on every call)
+    choice = dispatch.backend("cuda" if cuda else t.device.type, _forced, not cuda and interpreter_on())
     if _forced == "triton" and choice.kernel == "reference":
         raise RuntimeError(
             f"use_backend('triton') needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "

@@ -64,12 +64,10 @@ from flashtile.ops.masks import block_range, dq_order, dq_turn, seq_bounds, visi
 from flashtile.ops.mods import (
     Mods,
     alibi_refusal,
-    alibi_sm90,
     alibi_strides,
     alibi_unit_sm90,
-    cap_derivative_sm90,
-    capped_sm90,
     kernel_scale,
+    score_mods_sm90,
     softcap_scales,
 )
 from flashtile.ops.philox import (
@@ -470,16 +468,15 @@ def _bwd_sm90_step(i, dk, dv, ring, call, prog, dq_desc, half, key0, offs_n, s_z
         seed, bh0, threshold, _, delta_unit = drop
         w0, w1 = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
         keep_words = (dropout_keep_bits_sm90(w0, threshold), dropout_keep_bits_sm90(w1, threshold))
+    slope = 0.0
     if MODS.alibi:
         slopes, stride_slope_h, unit = alibi
         slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
     s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
-    if MODS.softcap:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
-        s_t, r = capped_sm90(s_t, qk_scale, softcap)
-        dcap = cap_derivative_sm90(r)
-    if MODS.alibi:  # the forward's bias: queries along S^T's columns, keys along its rows
-        queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
-        s_t = alibi_sm90(s_t, offs_n, queries, slope)
+    # the forward's scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r). S^T: keys along
+    # its rows, queries along its columns
+    queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
+    s_t, dcap = score_mods_sm90(s_t, offs_n, queries, slope, qk_scale, softcap, MODS)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p_t = gl.exp2(s_t * (1.0 if MODS.softcap else qk_scale) - lse_bufs.index(stage).load(row_layout)[None, :])
     if (start_m < full_lo) | (start_m >= full_hi):
@@ -613,17 +610,15 @@ def _bwd_sm90_step_split(i, dk, dv, ring, call, prog, dq_desc, half, dq_zero, dr
     if HAS_DROPOUT:
         seed, bh0, threshold, dropout_scale, _ = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
+    slope = 0.0
     if MODS.alibi:
         slopes, stride_slope_h, unit = alibi
         slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    if MODS.softcap:  # the forward's capped scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r)
-        s, r = capped_sm90(s, qk_scale, softcap)
-        dcap = cap_derivative_sm90(r)
-    if MODS.alibi:  # the forward's bias
-        queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
-        keys = start_n + half * OWN_N + gl.arange(0, OWN_N, layout=gl.SliceLayout(0, s_layout))
-        s = alibi_sm90(s, queries, keys, slope)
+    # the forward's scores; dS takes the cap's derivative
+    queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
+    keys = start_n + half * OWN_N + gl.arange(0, OWN_N, layout=gl.SliceLayout(0, s_layout))
+    s, dcap = score_mods_sm90(s, queries, keys, slope, qk_scale, softcap, MODS)
     # rows past sq (zeros from TMA) and rows that saw no key have an LSE of +inf: P = 0 there
     p = gl.exp2(s * (1.0 if MODS.softcap else qk_scale) - lse_bufs.index(stage).load(row_layout)[:, None])
     if (start_m < full_lo) | (start_m >= full_hi):

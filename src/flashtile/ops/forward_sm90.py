@@ -46,11 +46,10 @@ from flashtile.ops.masks import block_range, lse_row_base, seq_bounds, visible
 from flashtile.ops.mods import (
     Mods,
     alibi_refusal,
-    alibi_sm90,
     alibi_strides,
     alibi_unit_sm90,
-    capped_sm90,
     kernel_scale,
+    score_mods_sm90,
     softcap_scales,
 )
 from flashtile.ops.philox import dropout_apply_sm90, dropout_keep_bits_sm90, dropout_seed, dropout_words_sm90
@@ -301,12 +300,9 @@ def _fwd_sm90_scores(s_tok, m_i, l_i, start_m, start_n, full_lo, full_hi, sk, di
         m1 = dropout_keep_bits_sm90(w1, threshold)
     qk = warpgroup_mma_wait(IN_FLIGHT, deps=(s_tok, ))
     s_layout: gl.constexpr = qk.type.layout
-    if MODS.softcap:  # capped before the max: a cap is no scale
-        qk, _ = capped_sm90(qk, qk_scale, softcap)
-    if MODS.alibi:
-        rows = start_m + diag_offset + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
-        cols = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
-        qk = alibi_sm90(qk, rows, cols, slope)
+    rows = start_m + diag_offset + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
+    cols = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))
+    qk, _ = score_mods_sm90(qk, rows, cols, slope, qk_scale, softcap, MODS)
     if (start_n < full_lo) | (start_n >= full_hi):
         offs_m = start_m + gl.arange(0, qk.shape[0], layout=gl.SliceLayout(1, s_layout))
         offs_n = start_n + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, s_layout))

@@ -133,6 +133,23 @@ def alibi_sm90(s, rows, cols, slope):
     return s - slope * gl.abs(rows_f[:, None] - cols_f[None, :])
 
 
+@gluon.jit
+def score_mods_sm90(s, rows, cols, slope, qk_scale, softcap, MODS: gl.constexpr):
+    """The Hopper kernels' one point for the score mods (scores_log2 is the Triton kernels'): raw
+    products s -> (scores, dcap). MODS.softcap: capped (capped_sm90; qk_scale and softcap are
+    softcap_scales'), first: a cap is no scale; dcap is its derivative for dS (1.0 without one).
+    MODS.alibi: then the bias -slope |rows - cols| (alibi_sm90; rows and cols the positions along
+    s's two axes, one of them shifted by diag_offset; slope in alibi_unit_sm90's units). What a
+    caller does not use (dcap in the forward, the positions without ALiBi) compiles to nothing."""
+    dcap = 1.0
+    if MODS.softcap:
+        s, r = capped_sm90(s, qk_scale, softcap)
+        dcap = cap_derivative_sm90(r)
+    if MODS.alibi:
+        s = alibi_sm90(s, rows, cols, slope)
+    return s, dcap
+
+
 def alibi_refusal(alibi_slopes, q, k, varlen) -> str | None:
     """Why the Hopper kernels cannot take this call's ALiBi, or None (also where it has none): every
     position of their blocks (up to a block past the longest sequence) must be below
