@@ -24,7 +24,6 @@ the forward's keep-mask from the same Philox counters: dV = (P o Z)^T dO / (1 - 
 dP = (dO V^T) o Z / (1 - p)). A paged K/V never reaches the backward (the API gathers the pages).
 """
 
-from __future__ import annotations
 
 import torch
 import triton
@@ -34,6 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv
+from flashtile.ops.aggregates import VALUE, aggregate, kept
 from flashtile.ops.host import (
     DELTA,
     SLOPES,
@@ -60,6 +60,78 @@ from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.preprocess import _delta_kernel
 from flashtile.ops.schedule import head_chunked_order
 from flashtile.ops.softmax import LOG2E
+
+
+@aggregate
+class BwdArgs:
+    """_bwd_kernel's tensors, strides and scalars that its programs read, by name (its docstring and
+    _dkdv_program's / _dq_program's say what each is)."""
+
+    Q: VALUE
+    K: VALUE
+    V: VALUE
+    dO: VALUE
+    Out: VALUE
+    Lse: VALUE
+    Delta: VALUE
+    dQ: VALUE
+    dK: VALUE
+    dV: VALUE
+    Slopes: VALUE
+    stride_qb: VALUE
+    stride_qm: VALUE
+    stride_qh: VALUE
+    stride_qd: VALUE
+    stride_kb: VALUE
+    stride_kn: VALUE
+    stride_kh: VALUE
+    stride_kd: VALUE
+    stride_vb: VALUE
+    stride_vn: VALUE
+    stride_vh: VALUE
+    stride_vd: VALUE
+    stride_dob: VALUE
+    stride_dom: VALUE
+    stride_doh: VALUE
+    stride_dod: VALUE
+    stride_ob: VALUE
+    stride_om: VALUE
+    stride_oh: VALUE
+    stride_od: VALUE
+    stride_dqb: VALUE
+    stride_dqm: VALUE
+    stride_dqh: VALUE
+    stride_dqd: VALUE
+    stride_dkb: VALUE
+    stride_dkn: VALUE
+    stride_dkh: VALUE
+    stride_dkd: VALUE
+    stride_dvb: VALUE
+    stride_dvn: VALUE
+    stride_dvh: VALUE
+    stride_dvd: VALUE
+    stride_slope_b: VALUE
+    stride_slope_h: VALUE
+    nheads: VALUE
+    total_q: VALUE
+    left: VALUE
+    right: VALUE
+    qk_scale: VALUE
+    softcap: VALUE
+    softmax_scale: VALUE
+    threshold: VALUE
+    dropout_scale: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes, stride_qb, stride_qm, stride_qh, stride_qd,
+                 stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd, stride_dob,
+                 stride_dom, stride_doh, stride_dod, stride_ob, stride_om, stride_oh, stride_od, stride_dqb,
+                 stride_dqm, stride_dqh, stride_dqd, stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb,
+                 stride_dvn, stride_dvh, stride_dvd, stride_slope_b, stride_slope_h, nheads, total_q, left, right,
+                 qk_scale, softcap, softmax_scale, threshold, dropout_scale):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, kept(value))
 
 
 @triton.jit
@@ -131,22 +203,26 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, tma_row0, 
 
 
 @triton.jit
-def _dkdv_program(
-    start_n, b, hk, q_start, k_start, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, q_desc, do_desc,
-    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
-    qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MODS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-):
+def _dkdv_program(start_n, b, hk, q_start, k_start, group, sq, sk, seed, args, q_desc, do_desc,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MODS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  PDL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """dK, dV of keys [start_n, start_n + BLOCK_N) of K/V head hk, summed over its query heads.
 
     sq, sk: this sequence's rows and keys, which start at rows q_start / k_start of the tensors.
     PDL: launched as a programmatic dependent of the dQ launch that writes Delta; K and V are
     loaded while that launch drains, and gdc_wait holds the loop until its writes are visible."""
+    Q, K, V, dO = args.Q, args.K, args.V, args.dO
+    Lse, Delta, dK, dV = args.Lse, args.Delta, args.dK, args.dV
+    Slopes, stride_qb, stride_qm, stride_qh = args.Slopes, args.stride_qb, args.stride_qm, args.stride_qh
+    stride_qd, stride_kb, stride_kn, stride_kh = args.stride_qd, args.stride_kb, args.stride_kn, args.stride_kh
+    stride_kd, stride_vb, stride_vn, stride_vh = args.stride_kd, args.stride_vb, args.stride_vn, args.stride_vh
+    stride_vd, stride_dob, stride_dom, stride_doh = args.stride_vd, args.stride_dob, args.stride_dom, args.stride_doh
+    stride_dod, stride_dkb, stride_dkn, stride_dkh = args.stride_dod, args.stride_dkb, args.stride_dkn, args.stride_dkh
+    stride_dkd, stride_dvb, stride_dvn, stride_dvh = args.stride_dkd, args.stride_dvb, args.stride_dvn, args.stride_dvh
+    stride_dvd, stride_slope_b, stride_slope_h, nheads = args.stride_dvd, args.stride_slope_b, args.stride_slope_h, args.nheads
+    total_q, left, right, qk_scale = args.total_q, args.left, args.right, args.qk_scale
+    softcap, softmax_scale, threshold, dropout_scale = args.softcap, args.softmax_scale, args.threshold, args.dropout_scale
     diag_offset = sk - sq
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -240,24 +316,27 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, tma_
 
 
 @triton.jit
-def _dq_program(
-    start_m, b, h, hk, q_start, k_start, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, k_desc, v_desc,
-    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b, stride_slope_h,
-    nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed, threshold,
-    dropout_scale, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MODS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WRITE_DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr,
-):
+def _dq_program(start_m, b, h, hk, q_start, k_start, sq, sk, seed, args, k_desc, v_desc,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MODS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                WRITE_DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr):
     """dQ of rows [start_m, start_m + BLOCK_M) of query head h (K/V head hk); DQ_ADD: dQ /
     softmax_scale added into dQ (float32) instead.
 
     sq, sk: this sequence's rows and keys, which start at rows q_start / k_start of the tensors.
     WRITE_DELTA: these rows' delta = rowsum(dO * O) is computed here (from the dO tile the program
     loads anyway) and stored for the dK/dV launch that follows, instead of read from Delta."""
+    Q, K, V, dO = args.Q, args.K, args.V, args.dO
+    Out, Lse, Delta, dQ = args.Out, args.Lse, args.Delta, args.dQ
+    Slopes, stride_qb, stride_qm, stride_qh = args.Slopes, args.stride_qb, args.stride_qm, args.stride_qh
+    stride_qd, stride_kb, stride_kn, stride_kh = args.stride_qd, args.stride_kb, args.stride_kn, args.stride_kh
+    stride_kd, stride_vb, stride_vn, stride_vh = args.stride_kd, args.stride_vb, args.stride_vn, args.stride_vh
+    stride_vd, stride_dob, stride_dom, stride_doh = args.stride_vd, args.stride_dob, args.stride_dom, args.stride_doh
+    stride_dod, stride_ob, stride_om, stride_oh = args.stride_dod, args.stride_ob, args.stride_om, args.stride_oh
+    stride_od, stride_dqb, stride_dqm, stride_dqh = args.stride_od, args.stride_dqb, args.stride_dqm, args.stride_dqh
+    stride_dqd, stride_slope_b, stride_slope_h, nheads = args.stride_dqd, args.stride_slope_b, args.stride_slope_h, args.nheads
+    total_q, left, right, qk_scale = args.total_q, args.left, args.right, args.qk_scale
+    softcap, softmax_scale, threshold, dropout_scale = args.softcap, args.softmax_scale, args.threshold, args.dropout_scale
     diag_offset = sk - sq
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -360,16 +439,17 @@ def _bwd_kernel(
     seed = (0, 0, 0)
     if HAS_DROPOUT:
         seed = dropout_seed(Rng)
+    args = BwdArgs(Q, K, V, dO, Out, Lse, Delta, dQ, dK, dV, Slopes,
+                   stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+                   stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+                   stride_ob, stride_om, stride_oh, stride_od, stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+                   stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+                   stride_slope_b, stride_slope_h, nheads, total_q, left, right, qk_scale, softcap,
+                   softmax_scale, threshold, dropout_scale)
     if is_dkdv:
-        _dkdv_program(
-            pid * BLOCK_N1, b, hk, q_start, k_start, Q, K, V, dO, Lse, Delta, dK, dV, Slopes, Q_desc, dO_desc,
-            stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
-            stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
-            stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-            stride_slope_b, stride_slope_h, nheads, group, sq, sk, total_q, left, right,
-            qk_scale, softcap, softmax_scale, seed, threshold, dropout_scale, HEAD_DIM,
-            BLOCK_D, BLOCK_M1, BLOCK_N1, MODS, EVEN_D, DKDV_TMA,
-            DOT_PRECISION, PDL, IS_VARLEN, HAS_DROPOUT)
+        _dkdv_program(pid * BLOCK_N1, b, hk, q_start, k_start, group, sq, sk, seed, args, Q_desc, dO_desc,
+                      HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, MODS, EVEN_D, DKDV_TMA, DOT_PRECISION, PDL,
+                      IS_VARLEN, HAS_DROPOUT)
     else:
         # Consecutive programs take the group's heads for one Q block. With a right-bounded mask
         # (causal) the last Q blocks see the most keys, so they go first and the short ones fill
@@ -381,16 +461,9 @@ def _bwd_kernel(
         if MODS.right:
             pid_m = m_blocks - 1 - pid_m
         h = hk * group + j % group
-        _dq_program(
-            pid_m * BLOCK_M2, b, h, hk, q_start, k_start, Q, K, V, dO, Out, Lse, Delta, dQ, Slopes, K_desc,
-            V_desc, stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
-            stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
-            stride_ob, stride_om, stride_oh, stride_od,
-            stride_dqb, stride_dqm, stride_dqh, stride_dqd, stride_slope_b,
-            stride_slope_h, nheads, sq, sk, total_q, left, right, qk_scale, softcap, softmax_scale, seed,
-            threshold, dropout_scale, HEAD_DIM,
-            BLOCK_D, BLOCK_M2, BLOCK_N2, MODS, EVEN_D,
-            DQ_TMA, DOT_PRECISION, WRITE_DELTA, IS_VARLEN, HAS_DROPOUT, DQ_ADD)
+        _dq_program(pid_m * BLOCK_M2, b, h, hk, q_start, k_start, sq, sk, seed, args, K_desc, V_desc,
+                    HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, MODS, EVEN_D, DQ_TMA, DOT_PRECISION, WRITE_DELTA,
+                    IS_VARLEN, HAS_DROPOUT, DQ_ADD)
 
 
 def _descriptors(pair, block_rows: int, block_d: int, varlen: bool) -> tuple:

@@ -42,10 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.language.core import _aggregate as aggregate
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, Plan, cdiv
+from flashtile.ops.aggregates import VALUE, aggregate, kept
 from flashtile.ops.host import (
     DELTA2,
     DQ_ACC,
@@ -85,8 +85,6 @@ from flashtile.ops.sm90 import (
     HOPPER_CONSUMER_REGS,
     HOPPER_LOADER_REGS,
     HOPPER_MAXNREG,
-    VALUE,
-    kept,
     named_barrier_sm90,
 )
 

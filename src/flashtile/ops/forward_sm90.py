@@ -37,10 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.language.core import _aggregate as aggregate
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv, current_stream
+from flashtile.ops.aggregates import VALUE, aggregate, kept
 from flashtile.ops.host import box_descriptor, dropout_args, grid_lengths, seq_strides, tma_ok, tma_refusal, varlen_args
 from flashtile.ops.masks import block_range, lse_row_base, seq_bounds, visible
 from flashtile.ops.mods import (
@@ -61,8 +61,6 @@ from flashtile.ops.sm90 import (
     HOPPER_MAXNREG,
     HOPPER_THREE_CONSUMER_REGS,
     HOPPER_THREE_MAXNREG,
-    VALUE,
-    kept,
     named_barrier_sm90,
 )
 from flashtile.ops.softmax import LN2, fold_sink

@@ -41,14 +41,3 @@ HOPPER_THREE_MAXNREG = 128
 
 
 HOPPER_THREE_CONSUMER_REGS = gl.constexpr(160)
-
-
-# Fields of the kernels' aggregates (forward_sm90.FwdCall, ...): a runtime value or a constexpr
-@gluon.constexpr_function
-def kept(x):
-    """An aggregate field's value: a runtime value as it is, else (what Triton specialised: an int
-    of 1, an absent tensor) a constexpr."""
-    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
-
-
-VALUE = (gl.tensor, gl.constexpr)  # a field that is a runtime value or a constexpr (kept)
