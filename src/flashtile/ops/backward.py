@@ -156,14 +156,61 @@ def _load_rows(Lse, Delta, offs, n, MASKED: tl.constexpr):
     return lse2, delta
 
 
+@aggregate
+class DkdvTile:
+    """What each Q block step of a dK/dV program reads (_dkdv_program's names): its K/V block and keys,
+    the head's Q, dO, LSE and delta, the sequence's lengths and mask bounds, the score mods' and dropout's
+    scalars."""
+
+    k: VALUE
+    v: VALUE
+    q_base: VALUE
+    do_base: VALUE
+    tma_b: VALUE
+    tma_row0: VALUE
+    h: VALUE
+    lse_base: VALUE
+    delta_base: VALUE
+    start_n: VALUE
+    offs_n: VALUE
+    sq: VALUE
+    sk: VALUE
+    diag_offset: VALUE
+    left: VALUE
+    right: VALUE
+    qk_scale: VALUE
+    softcap: VALUE
+    slope: VALUE
+    stride_qm: VALUE
+    stride_dom: VALUE
+    q_doffs: VALUE
+    do_doffs: VALUE
+    d_mask: VALUE
+    bh: VALUE
+    threshold: VALUE
+    dropout_scale: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, k, v, q_base, do_base, tma_b, tma_row0, h, lse_base, delta_base, start_n, offs_n, sq, sk,
+                 diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask,
+                 bh, threshold, dropout_scale):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, kept(value))
+
+
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, tma_row0, h, lse_base, delta_base,
-               start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale, softcap, slope,
-               stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed, bh, threshold,
-               dropout_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+def _dkdv_step(dk, dv, start_m, tile, q_desc, do_desc, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
                MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
+    k, v, q_base, do_base = tile.k, tile.v, tile.q_base, tile.do_base
+    tma_b, tma_row0, h, lse_base = tile.tma_b, tile.tma_row0, tile.h, tile.lse_base
+    delta_base, start_n, offs_n, sq = tile.delta_base, tile.start_n, tile.offs_n, tile.sq
+    diag_offset, left, right = tile.diag_offset, tile.left, tile.right
+    qk_scale, softcap, slope, stride_qm = tile.qk_scale, tile.softcap, tile.slope, tile.stride_qm
+    stride_dom, q_doffs, do_doffs, d_mask = tile.stride_dom, tile.q_doffs, tile.do_doffs, tile.d_mask
+    bh, threshold, dropout_scale = tile.bh, tile.threshold, tile.dropout_scale
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if USE_TMA:  # the copy engine zero-fills rows past the tensor and head dims past d; rows of the
         # next sequence of a packed batch get an LSE of +inf below, so P = 0 there as well
@@ -261,15 +308,14 @@ def _dkdv_program(start_n, b, hk, q_start, k_start, group, sq, sk, seed, args, q
         row_base = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN)
         lse_base = Lse + row_base
         delta_base = Delta + row_base
+        tile = DkdvTile(k, v, q_base, do_base, tma_b, q_start, h, lse_base, delta_base, start_n, offs_n, sq, sk,
+                        diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs,
+                        d_mask, bh, threshold, dropout_scale)
         for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
             first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
             for start_m in range(first, last, BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, q_desc, do_desc, tma_b, q_start, h, lse_base,
-                                    delta_base, start_n, offs_n, start_m, sq, sk, diag_offset, left, right, qk_scale,
-                                    softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask, seed,
-                                    bh, threshold, dropout_scale, BLOCK_M, BLOCK_N, BLOCK_D, phase != 1,
-                                    EVEN_D, USE_TMA, MODS, DOT_PRECISION,
-                                    HAS_DROPOUT)
+                dk, dv = _dkdv_step(dk, dv, start_m, tile, q_desc, do_desc, seed, BLOCK_M, BLOCK_N, BLOCK_D,
+                                    phase != 1, EVEN_D, USE_TMA, MODS, DOT_PRECISION, HAS_DROPOUT)
 
     dk = dk * softmax_scale
     if HAS_DROPOUT:
@@ -282,14 +328,59 @@ def _dkdv_program(start_n, b, hk, q_start, k_start, group, sq, sk, seed, args, q
              dv.to(dV.dtype.element_ty), mask=kv_mask)
 
 
+@aggregate
+class DqTile:
+    """What each K/V block step of a dQ program reads (_dq_program's names): its Q, dO, LSE and delta
+    rows, the head's K and V, the sequence's keys and mask bounds, the score mods' and dropout's scalars."""
+
+    q: VALUE
+    do: VALUE
+    lse2: VALUE
+    delta: VALUE
+    k_base: VALUE
+    v_base: VALUE
+    tma_b: VALUE
+    tma_row0: VALUE
+    hk: VALUE
+    start_m: VALUE
+    offs_m: VALUE
+    sk: VALUE
+    diag_offset: VALUE
+    left: VALUE
+    right: VALUE
+    qk_scale: VALUE
+    softcap: VALUE
+    slope: VALUE
+    stride_kn: VALUE
+    stride_vn: VALUE
+    k_doffs: VALUE
+    v_doffs: VALUE
+    d_mask: VALUE
+    bh: VALUE
+    threshold: VALUE
+    dropout_scale: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, q, do, lse2, delta, k_base, v_base, tma_b, tma_row0, hk, start_m, offs_m, sk, diag_offset,
+                 left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, bh, threshold,
+                 dropout_scale):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, kept(value))
+
+
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, tma_row0, hk, start_m, offs_m, start_n,
-             sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs,
-             d_mask, seed, bh, threshold, dropout_scale,
-             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-             EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-             MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+def _dq_step(dq, start_n, tile, k_desc, v_desc, seed, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, MODS: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One K/V block against the fixed Q block."""
+    q, do, lse2, delta = tile.q, tile.do, tile.lse2, tile.delta
+    k_base, v_base, tma_b, tma_row0 = tile.k_base, tile.v_base, tile.tma_b, tile.tma_row0
+    hk, start_m, offs_m, sk = tile.hk, tile.start_m, tile.offs_m, tile.sk
+    diag_offset, left, right, qk_scale = tile.diag_offset, tile.left, tile.right, tile.qk_scale
+    softcap, slope, stride_kn, stride_vn = tile.softcap, tile.slope, tile.stride_kn, tile.stride_vn
+    k_doffs, v_doffs, d_mask, bh = tile.k_doffs, tile.v_doffs, tile.d_mask, tile.bh
+    threshold, dropout_scale = tile.threshold, tile.dropout_scale
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:  # zero-filled past the tensor and d; keys past sk (the next sequence's, or zeros)
         # still need the mask below (P there is not 0)
@@ -375,14 +466,14 @@ def _dq_program(start_m, b, h, hk, q_start, k_start, sq, sk, seed, args, k_desc,
         hi = tl.where(start_m < sq, hi, lo)
         full_lo = tl.minimum(full_lo, hi)
         full_hi = tl.minimum(full_hi, hi)
+    tile = DqTile(q, do, lse2, delta, k_base, v_base, tma_b, k_start, hk, start_m, offs_m, sk, diag_offset, left,
+                  right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, bh, threshold,
+                  dropout_scale)
     for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
         first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
         for start_n in range(first, last, BLOCK_N):
-            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, tma_b, k_start, hk, start_m, offs_m,
-                          start_n, sk, diag_offset, left, right, qk_scale, softcap, slope, stride_kn, stride_vn,
-                          k_doffs, v_doffs, d_mask, seed, bh, threshold, dropout_scale, BLOCK_N,
-                          BLOCK_D, phase != 1, EVEN_D, USE_TMA, MODS,
-                          DOT_PRECISION, HAS_DROPOUT)
+            dq = _dq_step(dq, start_n, tile, k_desc, v_desc, seed, BLOCK_N, BLOCK_D, phase != 1, EVEN_D, USE_TMA,
+                          MODS, DOT_PRECISION, HAS_DROPOUT)
 
     dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqm \
         + offs_d[None, :] * stride_dqd

@@ -17,13 +17,13 @@ Flags of the same kernel (constexprs: off, they compile to the dense kernel's co
                P recomputed from this LSE is the sink's softmax already
 """
 
-from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv
+from flashtile.ops.aggregates import VALUE, aggregate, kept
 from flashtile.ops.host import dot_precision, dropout_args, grid_lengths, seq_strides, varlen_args
 from flashtile.ops.masks import (
     block_range,
@@ -41,14 +41,52 @@ from flashtile.ops.schedule import q_block_program
 from flashtile.ops.softmax import LN2, fold_sink
 
 
+@aggregate
+class FwdTile:
+    """What each K/V block step of a program reads (_fwd_kernel's names): its Q block and the K/V
+    pointers of its head, its rows, the sequence's keys and mask bounds, the score mods' scalars,
+    the page table, and dropout's head and threshold."""
+
+    q: VALUE
+    k_ptrs: VALUE
+    v_ptrs: VALUE
+    start_m: VALUE
+    offs_m: VALUE
+    sk: VALUE
+    diag_offset: VALUE
+    left: VALUE
+    right: VALUE
+    qk_scale: VALUE
+    softcap: VALUE
+    slope: VALUE
+    stride_kn: VALUE
+    stride_vn: VALUE
+    d_mask: VALUE
+    table: VALUE
+    max_pages: VALUE
+    num_pages: VALUE
+    stride_kb: VALUE
+    stride_vb: VALUE
+    bh: VALUE
+    threshold: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, q, k_ptrs, v_ptrs, start_m, offs_m, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                 stride_kn, stride_vn, d_mask, table, max_pages, num_pages, stride_kb, stride_vb, bh, threshold):
+        for name, value in dict(locals()).items():
+            if name != "self":
+                setattr(self, name, kept(value))
+
+
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset, left, right,
-              qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-              table, max_pages, num_pages, stride_kb, stride_vb, seed, bh, threshold,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-              MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr):
+def _fwd_step(acc, l_i, m_i, start_n, tile, seed, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+              MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One K/V block: S = Q K^T, online-softmax update of (m_i, l_i), acc += P V."""
+    q, k_ptrs, v_ptrs, start_m, offs_m = tile.q, tile.k_ptrs, tile.v_ptrs, tile.start_m, tile.offs_m
+    sk, diag_offset, left, right, qk_scale = tile.sk, tile.diag_offset, tile.left, tile.right, tile.qk_scale
+    softcap, slope, stride_kn, stride_vn, d_mask = tile.softcap, tile.slope, tile.stride_kn, tile.stride_vn, tile.d_mask
+    table, max_pages, num_pages, stride_kb, stride_vb = tile.table, tile.max_pages, tile.num_pages, tile.stride_kb, tile.stride_vb
+    bh, threshold = tile.bh, tile.threshold
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if PAGE_SIZE > 0:  # k_ptrs / v_ptrs hold the head and head-dim offsets only
         page, row = page_of(table, start_n, tl.arange(0, BLOCK_N), max_pages, num_pages, PAGE_SIZE, BLOCK_N)
@@ -140,13 +178,13 @@ def _fwd_kernel(
 
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
                                            MODS.left, MODS.right)
+    tile = FwdTile(q, k_ptrs, v_ptrs, start_m, offs_m, sk, diag_offset, left, right, qk_scale, softcap, slope,
+                   stride_kn, stride_vn, d_mask, table, max_pages, num_pages, stride_kb, stride_vb, bh, threshold)
     for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
         first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
         for start_n in range(first, last, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_m, offs_m, start_n, sk, diag_offset,
-                                      left, right, qk_scale, softcap, slope, stride_kn, stride_vn, d_mask,
-                                      table, max_pages, num_pages, stride_kb, stride_vb, seed, bh,
-                                      threshold, BLOCK_N, phase != 1, EVEN_D, MODS, DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, start_n, tile, seed, BLOCK_N, phase != 1, EVEN_D, MODS,
+                                      DOT_PRECISION, PAGE_SIZE, HAS_DROPOUT)
 
     if HAS_SINK:
         acc, l_i, m_i = fold_sink(acc, l_i, m_i, Sink, h)
