@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.core import _aggregate as aggregate
 
-__all__ = ["VALUE", "aggregate", "kept"]
+__all__ = ["VALUE", "aggregate", "kept", "keep_all"]
 
 
 @triton.constexpr_function
@@ -18,3 +18,12 @@ def kept(x):
 
 
 VALUE = (tl.tensor, tl.constexpr)  # a field that is a runtime value or a constexpr (kept)
+
+
+@triton.constexpr_function
+def keep_all(obj, values: dict) -> None:
+    """An aggregate's constructor body: each argument (its locals() but self) into the field of its
+    name, kept."""
+    for name, value in values.items():
+        if name != "self":
+            setattr(obj, name, kept(value))

@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv
-from flashtile.ops.aggregates import VALUE, aggregate, kept
+from flashtile.ops.aggregates import VALUE, aggregate, keep_all
 from flashtile.ops.host import (
     DELTA,
     SLOPES,
@@ -129,9 +129,7 @@ class BwdArgs:
                  stride_dqm, stride_dqh, stride_dqd, stride_dkb, stride_dkn, stride_dkh, stride_dkd, stride_dvb,
                  stride_dvn, stride_dvh, stride_dvd, stride_slope_b, stride_slope_h, nheads, total_q, left, right,
                  qk_scale, softcap, softmax_scale, threshold, dropout_scale):
-        for name, value in dict(locals()).items():
-            if name != "self":
-                setattr(self, name, kept(value))
+        keep_all(self, dict(locals()))
 
 
 @triton.jit
@@ -194,9 +192,7 @@ class DkdvTile:
     def __init__(self, k, v, q_base, do_base, tma_b, tma_row0, h, lse_base, delta_base, start_n, offs_n, sq, sk,
                  diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask,
                  bh, threshold, dropout_scale):
-        for name, value in dict(locals()).items():
-            if name != "self":
-                setattr(self, name, kept(value))
+        keep_all(self, dict(locals()))
 
 
 @triton.jit
@@ -364,9 +360,7 @@ class DqTile:
     def __init__(self, q, do, lse2, delta, k_base, v_base, tma_b, tma_row0, hk, start_m, offs_m, sk, diag_offset,
                  left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, bh, threshold,
                  dropout_scale):
-        for name, value in dict(locals()).items():
-            if name != "self":
-                setattr(self, name, kept(value))
+        keep_all(self, dict(locals()))
 
 
 @triton.jit

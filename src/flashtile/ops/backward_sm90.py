@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Box, Plan, cdiv
-from flashtile.ops.aggregates import VALUE, aggregate, kept
+from flashtile.ops.aggregates import VALUE, aggregate, keep_all
 from flashtile.ops.host import (
     DELTA2,
     DQ_ACC,
@@ -163,9 +163,7 @@ class BwdCall:
     @gluon.constexpr_function
     def __init__(self, Rng, DK, DV, Slopes, Turns, stride_dkn, stride_dkh, stride_dvn, stride_dvh, nheads, left, right,
                  rows_pad, qk_scale, dk_scale, threshold, dropout_scale, softcap, stride_slope_b, stride_slope_h):
-        for name, value in dict(locals()).items():
-            if name != "self":
-                setattr(self, name, kept(value))
+        keep_all(self, dict(locals()))
 
 
 @aggregate
@@ -192,9 +190,7 @@ class BwdProgram:
 
     @gluon.constexpr_function
     def __init__(self, b, tb, q0, k0, hk, group, start_n, lo, n_m, full_lo, full_hi, sq, sk, diag_offset):
-        for name, value in dict(locals()).items():
-            if name != "self":
-                setattr(self, name, kept(value))
+        keep_all(self, dict(locals()))
 
 
 @builtin

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv
-from flashtile.ops.aggregates import VALUE, aggregate, kept
+from flashtile.ops.aggregates import VALUE, aggregate, keep_all
 from flashtile.ops.host import dot_precision, dropout_args, grid_lengths, seq_strides, varlen_args
 from flashtile.ops.masks import (
     block_range,
@@ -73,9 +73,7 @@ class FwdTile:
     @triton.constexpr_function
     def __init__(self, q, k_ptrs, v_ptrs, start_m, offs_m, sk, diag_offset, left, right, qk_scale, softcap, slope,
                  stride_kn, stride_vn, d_mask, table, max_pages, num_pages, stride_kb, stride_vb, bh, threshold):
-        for name, value in dict(locals()).items():
-            if name != "self":
-                setattr(self, name, kept(value))
+        keep_all(self, dict(locals()))
 
 
 @triton.jit

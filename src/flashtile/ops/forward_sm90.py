@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.ops import configs
 from flashtile.ops._launch import Plan, cdiv, current_stream
-from flashtile.ops.aggregates import VALUE, aggregate, kept
+from flashtile.ops.aggregates import VALUE, aggregate, keep_all
 from flashtile.ops.host import box_descriptor, dropout_args, grid_lengths, seq_strides, tma_ok, tma_refusal, varlen_args
 from flashtile.ops.masks import block_range, lse_row_base, seq_bounds, visible
 from flashtile.ops.mods import (
@@ -152,9 +152,7 @@ class FwdCall:
     def __init__(self, Out, Lse, TileCounter, Rng, CuSeqQ, CuSeqK, SeqUsedK, Sink, Slopes, stride_ob, stride_om,
                  stride_oh, n_tiles, head_chunk, n_m, nheads, group, sq, sk, left, right, qk_scale, softcap, threshold,
                  dropout_scale, total_q, total_k, stride_slope_b, stride_slope_h):
-        for name, value in dict(locals()).items():
-            if name != "self":
-                setattr(self, name, kept(value))
+        keep_all(self, dict(locals()))
 
 
 def hopper_forward_maxnreg(consumers: int) -> int:
