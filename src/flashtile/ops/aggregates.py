@@ -7,14 +7,16 @@ kernels' need: a field holds a runtime value or, where Triton specialised the ar
 import triton
 import triton.language as tl
 from triton.language.core import _aggregate as aggregate
+from triton.language.core import base_value
 
 __all__ = ["VALUE", "aggregate", "kept", "keep_all"]
 
 
 @triton.constexpr_function
 def kept(x):
-    """An aggregate field's value: a runtime value as it is, else a constexpr."""
-    return x if isinstance(x, tl.tensor) else tl.constexpr(x)
+    """An aggregate field's value: a runtime value (a tensor, another aggregate) as it is, else a
+    constexpr."""
+    return x if isinstance(x, base_value) else tl.constexpr(x)
 
 
 VALUE = (tl.tensor, tl.constexpr)  # a field that is a runtime value or a constexpr (kept)

@@ -55,7 +55,7 @@ from flashtile.ops.masks import (
     seq_bounds,
     visible,
 )
-from flashtile.ops.mods import Mods, alibi_strides, kernel_scale, scores_log2
+from flashtile.ops.mods import ModArgs, Mods, alibi_strides, kernel_scale, scores_log2
 from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.preprocess import _delta_kernel
 from flashtile.ops.schedule import head_chunked_order
@@ -172,13 +172,7 @@ class DkdvTile:
     start_n: VALUE
     offs_n: VALUE
     sq: VALUE
-    sk: VALUE
-    diag_offset: VALUE
-    left: VALUE
-    right: VALUE
-    qk_scale: VALUE
-    softcap: VALUE
-    slope: VALUE
+    mod_args: ModArgs  # the score and mask mods' scalars
     stride_qm: VALUE
     stride_dom: VALUE
     q_doffs: VALUE
@@ -189,9 +183,8 @@ class DkdvTile:
     dropout_scale: VALUE
 
     @triton.constexpr_function
-    def __init__(self, k, v, q_base, do_base, tma_b, tma_row0, h, lse_base, delta_base, start_n, offs_n, sq, sk,
-                 diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs, d_mask,
-                 bh, threshold, dropout_scale):
+    def __init__(self, k, v, q_base, do_base, tma_b, tma_row0, h, lse_base, delta_base, start_n, offs_n, sq, mod_args,
+                 stride_qm, stride_dom, q_doffs, do_doffs, d_mask, bh, threshold, dropout_scale):
         keep_all(self, dict(locals()))
 
 
@@ -200,13 +193,13 @@ def _dkdv_step(dk, dv, start_m, tile, q_desc, do_desc, seed, BLOCK_M: tl.constex
                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
                MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One Q block against the fixed K/V block, in the transposed (keys x rows) orientation."""
-    k, v, q_base, do_base = tile.k, tile.v, tile.q_base, tile.do_base
-    tma_b, tma_row0, h, lse_base = tile.tma_b, tile.tma_row0, tile.h, tile.lse_base
-    delta_base, start_n, offs_n, sq = tile.delta_base, tile.start_n, tile.offs_n, tile.sq
-    diag_offset, left, right = tile.diag_offset, tile.left, tile.right
-    qk_scale, softcap, slope, stride_qm = tile.qk_scale, tile.softcap, tile.slope, tile.stride_qm
-    stride_dom, q_doffs, do_doffs, d_mask = tile.stride_dom, tile.q_doffs, tile.do_doffs, tile.d_mask
-    bh, threshold, dropout_scale = tile.bh, tile.threshold, tile.dropout_scale
+    mod_args = tile.mod_args
+    k, v, q_base, do_base, tma_b, tma_row0 = tile.k, tile.v, tile.q_base, tile.do_base, tile.tma_b, tile.tma_row0
+    h, lse_base, delta_base, start_n, offs_n = tile.h, tile.lse_base, tile.delta_base, tile.start_n, tile.offs_n
+    sq, diag_offset, left, right = tile.sq, mod_args.diag_offset, mod_args.left, mod_args.right
+    qk_scale, softcap, slope, stride_qm = mod_args.qk_scale, mod_args.softcap, mod_args.slope, tile.stride_qm
+    stride_dom, q_doffs, do_doffs, d_mask, bh = tile.stride_dom, tile.q_doffs, tile.do_doffs, tile.d_mask, tile.bh
+    threshold, dropout_scale = tile.threshold, tile.dropout_scale
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if USE_TMA:  # the copy engine zero-fills rows past the tensor and head dims past d; rows of the
         # next sequence of a packed batch get an LSE of +inf below, so P = 0 there as well
@@ -304,9 +297,9 @@ def _dkdv_program(start_n, b, hk, q_start, k_start, group, sq, sk, seed, args, q
         row_base = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN)
         lse_base = Lse + row_base
         delta_base = Delta + row_base
-        tile = DkdvTile(k, v, q_base, do_base, tma_b, q_start, h, lse_base, delta_base, start_n, offs_n, sq, sk,
-                        diag_offset, left, right, qk_scale, softcap, slope, stride_qm, stride_dom, q_doffs, do_doffs,
-                        d_mask, bh, threshold, dropout_scale)
+        tile = DkdvTile(k, v, q_base, do_base, tma_b, q_start, h, lse_base, delta_base, start_n, offs_n, sq,
+                        ModArgs(sk, diag_offset, left, right, qk_scale, softcap, slope), stride_qm, stride_dom,
+                        q_doffs, do_doffs, d_mask, bh, threshold, dropout_scale)
         for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
             first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
             for start_m in range(first, last, BLOCK_M):
@@ -340,13 +333,7 @@ class DqTile:
     hk: VALUE
     start_m: VALUE
     offs_m: VALUE
-    sk: VALUE
-    diag_offset: VALUE
-    left: VALUE
-    right: VALUE
-    qk_scale: VALUE
-    softcap: VALUE
-    slope: VALUE
+    mod_args: ModArgs  # the score and mask mods' scalars
     stride_kn: VALUE
     stride_vn: VALUE
     k_doffs: VALUE
@@ -357,9 +344,8 @@ class DqTile:
     dropout_scale: VALUE
 
     @triton.constexpr_function
-    def __init__(self, q, do, lse2, delta, k_base, v_base, tma_b, tma_row0, hk, start_m, offs_m, sk, diag_offset,
-                 left, right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, bh, threshold,
-                 dropout_scale):
+    def __init__(self, q, do, lse2, delta, k_base, v_base, tma_b, tma_row0, hk, start_m, offs_m, mod_args, stride_kn,
+                 stride_vn, k_doffs, v_doffs, d_mask, bh, threshold, dropout_scale):
         keep_all(self, dict(locals()))
 
 
@@ -368,12 +354,12 @@ def _dq_step(dq, start_n, tile, k_desc, v_desc, seed, BLOCK_N: tl.constexpr, BLO
              MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, MODS: tl.constexpr,
              DOT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One K/V block against the fixed Q block."""
-    q, do, lse2, delta = tile.q, tile.do, tile.lse2, tile.delta
-    k_base, v_base, tma_b, tma_row0 = tile.k_base, tile.v_base, tile.tma_b, tile.tma_row0
-    hk, start_m, offs_m, sk = tile.hk, tile.start_m, tile.offs_m, tile.sk
-    diag_offset, left, right, qk_scale = tile.diag_offset, tile.left, tile.right, tile.qk_scale
-    softcap, slope, stride_kn, stride_vn = tile.softcap, tile.slope, tile.stride_kn, tile.stride_vn
-    k_doffs, v_doffs, d_mask, bh = tile.k_doffs, tile.v_doffs, tile.d_mask, tile.bh
+    mod_args = tile.mod_args
+    q, do, lse2, delta, k_base, v_base = tile.q, tile.do, tile.lse2, tile.delta, tile.k_base, tile.v_base
+    tma_b, tma_row0, hk, start_m, offs_m = tile.tma_b, tile.tma_row0, tile.hk, tile.start_m, tile.offs_m
+    sk, diag_offset, left, right = mod_args.sk, mod_args.diag_offset, mod_args.left, mod_args.right
+    qk_scale, softcap, slope, stride_kn = mod_args.qk_scale, mod_args.softcap, mod_args.slope, tile.stride_kn
+    stride_vn, k_doffs, v_doffs, d_mask, bh = tile.stride_vn, tile.k_doffs, tile.v_doffs, tile.d_mask, tile.bh
     threshold, dropout_scale = tile.threshold, tile.dropout_scale
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:  # zero-filled past the tensor and d; keys past sk (the next sequence's, or zeros)
@@ -460,9 +446,9 @@ def _dq_program(start_m, b, h, hk, q_start, k_start, sq, sk, seed, args, k_desc,
         hi = tl.where(start_m < sq, hi, lo)
         full_lo = tl.minimum(full_lo, hi)
         full_hi = tl.minimum(full_hi, hi)
-    tile = DqTile(q, do, lse2, delta, k_base, v_base, tma_b, k_start, hk, start_m, offs_m, sk, diag_offset, left,
-                  right, qk_scale, softcap, slope, stride_kn, stride_vn, k_doffs, v_doffs, d_mask, bh, threshold,
-                  dropout_scale)
+    tile = DqTile(q, do, lse2, delta, k_base, v_base, tma_b, k_start, hk, start_m, offs_m, ModArgs(sk, diag_offset,
+                  left, right, qk_scale, softcap, slope), stride_kn, stride_vn, k_doffs, v_doffs, d_mask, bh,
+                  threshold, dropout_scale)
     for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
         first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
         for start_n in range(first, last, BLOCK_N):

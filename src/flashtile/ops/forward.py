@@ -35,7 +35,7 @@ from flashtile.ops.masks import (
     seq_bounds,
     visible,
 )
-from flashtile.ops.mods import Mods, alibi_strides, kernel_scale, scores_log2
+from flashtile.ops.mods import ModArgs, Mods, alibi_strides, kernel_scale, scores_log2
 from flashtile.ops.philox import dropout_keep, dropout_seed
 from flashtile.ops.schedule import q_block_program
 from flashtile.ops.softmax import LN2, fold_sink
@@ -52,13 +52,7 @@ class FwdTile:
     v_ptrs: VALUE
     start_m: VALUE
     offs_m: VALUE
-    sk: VALUE
-    diag_offset: VALUE
-    left: VALUE
-    right: VALUE
-    qk_scale: VALUE
-    softcap: VALUE
-    slope: VALUE
+    mod_args: ModArgs  # the score and mask mods' scalars
     stride_kn: VALUE
     stride_vn: VALUE
     d_mask: VALUE
@@ -71,8 +65,8 @@ class FwdTile:
     threshold: VALUE
 
     @triton.constexpr_function
-    def __init__(self, q, k_ptrs, v_ptrs, start_m, offs_m, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                 stride_kn, stride_vn, d_mask, table, max_pages, num_pages, stride_kb, stride_vb, bh, threshold):
+    def __init__(self, q, k_ptrs, v_ptrs, start_m, offs_m, mod_args, stride_kn, stride_vn, d_mask, table, max_pages,
+                 num_pages, stride_kb, stride_vb, bh, threshold):
         keep_all(self, dict(locals()))
 
 
@@ -80,11 +74,12 @@ class FwdTile:
 def _fwd_step(acc, l_i, m_i, start_n, tile, seed, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
               MODS: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One K/V block: S = Q K^T, online-softmax update of (m_i, l_i), acc += P V."""
-    q, k_ptrs, v_ptrs, start_m, offs_m = tile.q, tile.k_ptrs, tile.v_ptrs, tile.start_m, tile.offs_m
-    sk, diag_offset, left, right, qk_scale = tile.sk, tile.diag_offset, tile.left, tile.right, tile.qk_scale
-    softcap, slope, stride_kn, stride_vn, d_mask = tile.softcap, tile.slope, tile.stride_kn, tile.stride_vn, tile.d_mask
-    table, max_pages, num_pages, stride_kb, stride_vb = tile.table, tile.max_pages, tile.num_pages, tile.stride_kb, tile.stride_vb
-    bh, threshold = tile.bh, tile.threshold
+    mod_args = tile.mod_args
+    q, k_ptrs, v_ptrs, start_m, offs_m, sk = tile.q, tile.k_ptrs, tile.v_ptrs, tile.start_m, tile.offs_m, mod_args.sk
+    diag_offset, left, right, qk_scale = mod_args.diag_offset, mod_args.left, mod_args.right, mod_args.qk_scale
+    softcap, slope, stride_kn, stride_vn = mod_args.softcap, mod_args.slope, tile.stride_kn, tile.stride_vn
+    d_mask, table, max_pages, num_pages = tile.d_mask, tile.table, tile.max_pages, tile.num_pages
+    stride_kb, stride_vb, bh, threshold = tile.stride_kb, tile.stride_vb, tile.bh, tile.threshold
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if PAGE_SIZE > 0:  # k_ptrs / v_ptrs hold the head and head-dim offsets only
         page, row = page_of(table, start_n, tl.arange(0, BLOCK_N), max_pages, num_pages, PAGE_SIZE, BLOCK_N)
@@ -176,8 +171,9 @@ def _fwd_kernel(
 
     lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
                                            MODS.left, MODS.right)
-    tile = FwdTile(q, k_ptrs, v_ptrs, start_m, offs_m, sk, diag_offset, left, right, qk_scale, softcap, slope,
-                   stride_kn, stride_vn, d_mask, table, max_pages, num_pages, stride_kb, stride_vb, bh, threshold)
+    tile = FwdTile(q, k_ptrs, v_ptrs, start_m, offs_m, ModArgs(sk, diag_offset, left, right, qk_scale, softcap,
+                   slope), stride_kn, stride_vn, d_mask, table, max_pages, num_pages, stride_kb, stride_vb, bh,
+                   threshold)
     for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
         first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
         for start_n in range(first, last, BLOCK_N):

@@ -13,6 +13,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from flashtile.ops.aggregates import VALUE, aggregate, keep_all
 from flashtile.ops.softmax import LOG2E
 
 
@@ -60,6 +61,26 @@ def alibi_strides(alibi_slopes) -> tuple[int, int]:
     if alibi_slopes.dim() == 1:
         return 0, alibi_slopes.stride(0)
     return alibi_slopes.stride(0), alibi_slopes.stride(1)
+
+
+@aggregate
+class ModArgs:
+    """The runtime arguments of the built-in score and mask mods (Mods says which apply): the
+    sequence's keys sk and diag_offset = sk - sq, the window's left and right, qk_scale and softcap
+    (kernel_scale's) and the head's ALiBi slope. A block step of the Triton kernels takes them as one
+    value (forward.FwdTile, backward.DkdvTile and DqTile)."""
+
+    sk: VALUE
+    diag_offset: VALUE
+    left: VALUE
+    right: VALUE
+    qk_scale: VALUE
+    softcap: VALUE
+    slope: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, sk, diag_offset, left, right, qk_scale, softcap, slope):
+        keep_all(self, dict(locals()))
 
 
 @triton.jit
