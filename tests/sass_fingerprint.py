@@ -98,17 +98,16 @@ CALLS = {  # name -> the call; each launches one or more kernels
 def _compile(kernel, tensors, scalars, constexprs, options):
     """Triton's compiled kernel for this launch on sm_90: what JITFunction.run would compile."""
     backend = make_backend(TARGET)
-    jit = kernel
     kwargs = {**constexprs, **options}
-    bound, specialization, opts = compile_keys._binder(jit)(*_launch._for_triton(tuple(tensors)), *scalars, **kwargs)
-    options, signature, const, attrs = jit._pack_args(backend, kwargs, bound, specialization, opts)
-    src_type = type(jit).__dict__.get("ASTSource") or _source_type(jit)
-    src = src_type(jit, signature, const, attrs)
+    bound, specialization, opts = compile_keys._binder(kernel)(*_launch._for_triton(tuple(tensors)), *scalars, **kwargs)
+    options, signature, const, attrs = kernel._pack_args(backend, kwargs, bound, specialization, opts)
+    src = _source_type(kernel)(kernel, signature, const, attrs)
     return triton.compile(src, target=TARGET, options=options.__dict__)
 
 
-def _source_type(jit):
-    if getattr(jit, "is_gluon", lambda: False)():
+def _source_type(kernel):
+    """The frontend that compiles kernel: Gluon's or Triton's."""
+    if getattr(kernel, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource
         return GluonASTSource
     from triton.compiler import ASTSource
