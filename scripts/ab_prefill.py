@@ -9,8 +9,9 @@ JSON line per process: [d, causal, seqlen, fwd TFLOP/s, bwd TFLOP/s] per shape. 
 default list: d:causal:seqlen,... (e.g. 128:1:2048,64:0:16384); a fourth field d:causal:seqlen:p
 times the shape with dropout_p = p (TFLOP/s of the same FLOPs, so ratios to p = 0 are time ratios),
 a fifth d:causal:seqlen:p:c with softcap = c, a sixth d:causal:seqlen:p:c:flags with flags from
-"d" (deterministic=True) and "a" (ALiBi, slopes 2^(-8 i / heads), i = 1 .. heads). --forward times
-the forward alone (the backward's column is then null), in a third of the time.
+"d" (deterministic=True), "a" (ALiBi, slopes 2^(-8 i / heads), i = 1 .. heads), "s" (a learnable
+sink per head) and "v" (flash_attn_varlen_func over the batch packed, every sequence seqlen long).
+--forward times the forward alone (the backward's column is then null), in a third of the time.
 """
 
 import json
@@ -32,9 +33,16 @@ def child(tag: str, shapes, forward_only: bool) -> None:
         b, h = 16384 // s, 2048 // d
         slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda") / h) if "a" in flags else None
 
-        def impl(q, k, v, causal, p=p, cap=cap, slopes=slopes, det="d" in flags):
-            return flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=causal, softcap=cap, alibi_slopes=slopes,
-                                             deterministic=det)
+        sink = torch.randn(h, device="cuda", dtype=torch.float32) if "s" in flags else None
+        cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32) if "v" in flags else None
+
+        def impl(q, k, v, causal, p=p, cap=cap, slopes=slopes, det="d" in flags, sink=sink, cu=cu):
+            kw = dict(dropout_p=p, causal=causal, softcap=cap, alibi_slopes=slopes, deterministic=det,
+                      learnable_sink=sink)
+            if cu is None:
+                return flashtile.flash_attn_func(q, k, v, **kw)
+            packed = (x.flatten(0, 1) for x in (q, k, v))  # the batch's sequences packed, one length
+            return flashtile.flash_attn_varlen_func(*packed, cu, cu, q.shape[1], q.shape[1], **kw).unflatten(0, q.shape[:2])
 
         f = prefill.flops(b, h, s, d, causal)
         if forward_only:
