@@ -59,8 +59,8 @@ def _varlen(d, causal=True):
     out.backward(torch.ones_like(out))
 
 
-def _decode(d, paged=False, append=False, splits=0, dtype=torch.float16):
-    b, hk, h, cap = 4, 2, 16, 4096
+def _decode(d, paged=False, append=False, splits=0, dtype=torch.float16, b=4, sq=1, **kw):
+    hk, h, cap = 2, 16, 4096
     page = 256 if paged else None
     if paged:
         kc = torch.randn(b * cap // page, page, hk, d, dtype=dtype)
@@ -68,11 +68,20 @@ def _decode(d, paged=False, append=False, splits=0, dtype=torch.float16):
     else:
         kc, table = torch.randn(b, cap, hk, d, dtype=dtype), None
     vc = torch.randn_like(kc)
-    q = torch.randn(b, 1, h, d, dtype=dtype)
-    new = dict(k=torch.randn(b, 1, hk, d, dtype=dtype), v=torch.randn(b, 1, hk, d, dtype=dtype)) if append else {}
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    new = dict(k=torch.randn(b, sq, hk, d, dtype=dtype), v=torch.randn(b, sq, hk, d, dtype=dtype)) if append else {}
     lens = torch.full((b,), 3000, dtype=torch.int32)
     flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True,
-                                      num_splits=splits, **new)
+                                      num_splits=splits, **new, **kw)
+
+
+def _decode_features(d, splits, b=4):
+    """A decoding step with every feature of the split kernel: rotary, left padding, a batch index,
+    a window, softcap, ALiBi and a sink, appending two rows."""
+    rot = torch.randn(4096, d // 4)
+    _decode(d, append=True, splits=splits, b=b, sq=2, rotary_cos=rot, rotary_sin=rot,
+            cache_batch_idx=torch.arange(b, dtype=torch.int32).flip(0), cache_leftpad=torch.full((b,), 5, dtype=torch.int32),
+            window_size=(512, 0), softcap=20.0, alibi_slopes=torch.rand(16), learnable_sink=torch.randn(16))
 
 
 CALLS = {  # name -> the call; each launches one or more kernels
@@ -92,6 +101,9 @@ CALLS = {  # name -> the call; each launches one or more kernels
     "decode-d128": lambda: _decode(128),
     "decode-d128-paged-append": lambda: _decode(128, paged=True, append=True),
     "decode-d64-split": lambda: _decode(64, splits=8),
+    "decode-d128-features": lambda: _decode_features(128, 1),
+    "decode-d64-features-split": lambda: _decode_features(64, 4),
+    "decode-d128-features-many": lambda: _decode_features(128, 0, b=64),
 }
 
 

@@ -109,11 +109,13 @@ def _scalar_classes(scalars: tuple) -> tuple:
 
 
 def _stride_positions(kernel, n_tensors: int) -> tuple:
-    """Positions, among a launch's scalars, of the kernel's stride arguments (named stride_*)."""
+    """Positions, among a launch's scalars, of the kernel's stride arguments (named stride_*) but
+    those it declares always aligned (aligned_strides: a kernel whose copies need them to be
+    multiples of 16, which its launch site guarantees)."""
     cached = kernel.__dict__.get("_flashtile_strides")
     if cached is None or cached[0] != n_tensors:
-        names = kernel.arg_names[n_tensors:]
-        positions = tuple(i for i, n in enumerate(names) if n.startswith("stride_"))
+        names, aligned = kernel.arg_names[n_tensors:], kernel.__dict__.get("aligned_strides", ())
+        positions = tuple(i for i, n in enumerate(names) if n.startswith("stride_") and n not in aligned)
         cached = kernel._flashtile_strides = (n_tensors, positions)
     return cached[1]
 

@@ -205,6 +205,12 @@ def _split_kernel_warps(
                     HAS_SINK)
 
 
+# cp.async copies the cache's rows in 16-byte pieces, so these strides must be known multiples of 16
+# in every launch, the twin that for_strides picks for an unaligned q or output stride (sq = 2:
+# the lse's head stride) too; decode_attention sends a cache without them to _split_kernel
+_split_kernel_warps.aligned_strides = ("stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh")
+
+
 @gluon.jit
 def _copy_tile(K, V, k_slot, v_slot, table, start, warp0, keys, cols, k_cols, v_cols, lo, hi, cache_rows, stride_kb,
                stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE: gl.constexpr,
