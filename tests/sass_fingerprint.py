@@ -101,6 +101,7 @@ CALLS = {  # name -> the call; each launches one or more kernels
     "decode-d128": lambda: _decode(128),
     "decode-d128-paged-append": lambda: _decode(128, paged=True, append=True),
     "decode-d64-split": lambda: _decode(64, splits=8),
+    "decode-d128-spec2-append": lambda: _decode(128, append=True, sq=2),
     "decode-d128-features": lambda: _decode_features(128, 1),
     "decode-d64-features-split": lambda: _decode_features(64, 4),
     "decode-d128-features-many": lambda: _decode_features(128, 0, b=64),
