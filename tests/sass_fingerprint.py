@@ -75,11 +75,11 @@ def _decode(d, paged=False, append=False, splits=0, dtype=torch.float16, b=4, sq
                                       num_splits=splits, **new, **kw)
 
 
-def _decode_features(d, splits, b=4):
+def _decode_features(d, splits, b=4, dtype=torch.float16):
     """A decoding step with every feature of the split kernel: rotary, left padding, a batch index,
     a window, softcap, ALiBi and a sink, appending two rows."""
     rot = torch.randn(4096, d // 4)
-    _decode(d, append=True, splits=splits, b=b, sq=2, rotary_cos=rot, rotary_sin=rot,
+    _decode(d, append=True, splits=splits, b=b, sq=2, dtype=dtype, rotary_cos=rot, rotary_sin=rot,
             cache_batch_idx=torch.arange(b, dtype=torch.int32).flip(0), cache_leftpad=torch.full((b,), 5, dtype=torch.int32),
             window_size=(512, 0), softcap=20.0, alibi_slopes=torch.rand(16), learnable_sink=torch.randn(16))
 
@@ -105,6 +105,9 @@ CALLS = {  # name -> the call; each launches one or more kernels
     "decode-d128-features": lambda: _decode_features(128, 1),
     "decode-d64-features-split": lambda: _decode_features(64, 4),
     "decode-d128-features-many": lambda: _decode_features(128, 0, b=64),
+    "decode-d96-features-split": lambda: _decode_features(96, 4),  # the portable Triton split kernel from here on
+    "decode-d256-paged-append": lambda: _decode(256, paged=True, append=True),
+    "decode-fp32-d128-features": lambda: _decode_features(128, 0, dtype=torch.float32),
 }
 
 
