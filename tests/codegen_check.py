@@ -233,16 +233,15 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
         kernel = decode_sm90._split_kernel_warps
     names = [p.name for p in kernel.params]
     block_d = configs.padded_headdim(d)
-    const = dict(GROUP=8, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
-                 MODS=Mods(), ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
-                 ROTARY_BY_ROW=False, DOT_PRECISION="ieee", EVEN_D=d == block_d, HAS_SEQLENS=True,
-                 HAS_BATCH_IDX=False, HAS_LEFTPAD=False, FUSED_COMBINE=fused,
-                 MERGE_UNROLL=configs.DECODE_MERGE_UNROLL,
-                 HAS_SINK=False, APPEND=append, BLOCK_T=1, LAUNCH_COMBINE=launch_combine,
-                 Sink=None, BatchIdx=None, LeftPad=None, Slopes=None, Cos=None, Sin=None)
-    if rotary:
-        const.update(ROTARY_DIM=d, ROTARY_INTERLEAVED=True)
-        del const["Cos"], const["Sin"]
+    flags = decode.DecodeFlags(GROUP=8, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                               PAGE_SIZE=page_size, ROTARY_DIM=d if rotary else 0, ROTARY_INTERLEAVED=rotary,
+                               ROTARY_BY_ROW=False, DOT_PRECISION="ieee", EVEN_D=d == block_d, HAS_SEQLENS=True,
+                               HAS_BATCH_IDX=False, HAS_LEFTPAD=False, FUSED_COMBINE=fused,
+                               MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=False, APPEND=append, BLOCK_T=1,
+                               LAUNCH_COMBINE=launch_combine, STAGES=cfg.num_stages if warps else 0)
+    const = dict(CFG=flags, MODS=Mods(), Sink=None, BatchIdx=None, LeftPad=None, Slopes=None)
+    if not rotary:
+        const.update(Cos=None, Sin=None)
     if not fused:
         const.update(OutF=None, LseF=None, Arrivals=None)
     if not page_size:
@@ -265,7 +264,6 @@ def compile_decode(d: int, page_size: int, append: bool, launch_combine: bool = 
     if warps:
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        const["STAGES"] = cfg.num_stages
         src = GluonASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in const.items()},
                              attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))

@@ -31,20 +31,193 @@ Index values are checked by the API on the host; the kernels clamp them regardle
 _split_kernel), so values the API cannot read (CUDA-graph capture) never reach outside a tensor.
 """
 
-from __future__ import annotations
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashtile.ops.aggregates import VALUE, aggregate, keep_all
 from flashtile.ops.masks import visible
 from flashtile.ops.mods import scores_log2
 from flashtile.ops.softmax import LN2, LOG2E, exp_minus, fold_sink
 
 
+class DecodeFlags(NamedTuple):
+    """The split kernels' constexprs other than the mods (CFG), built once per plan (ops.decoding)."""
+
+    GROUP: int  # query heads per kv head: tile row r is query r // GROUP of head kh GROUP + r % GROUP
+    HEAD_DIM: int
+    BLOCK_D: int  # HEAD_DIM padded to a power of two
+    BLOCK_M: int  # tile rows (query rows x GROUP)
+    BLOCK_N: int  # keys a tile
+    PAGE_SIZE: int  # 0: a contiguous cache
+    ROTARY_DIM: int  # 0: no rotary
+    ROTARY_INTERLEAVED: bool  # GPT-J pairs (2i, 2i+1), else GPT-NeoX (i, i + ROTARY_DIM / 2)
+    ROTARY_BY_ROW: bool  # query i at position cache_seqlens + i (causal or local), else all at cache_seqlens
+    DOT_PRECISION: str
+    EVEN_D: bool  # HEAD_DIM == BLOCK_D
+    HAS_SEQLENS: bool  # cache_seqlens is a tensor (else the int seqlen_const)
+    HAS_BATCH_IDX: bool
+    HAS_LEFTPAD: bool
+    FUSED_COMBINE: bool  # the last split program of a row merges the splits
+    MERGE_UNROLL: int  # splits a step of that merge
+    HAS_SINK: bool
+    APPEND: bool  # new k/v rows are written into the cache first
+    BLOCK_T: int  # new rows a step of the append
+    LAUNCH_COMBINE: bool  # the combine kernel follows as a programmatic dependent launch
+    STAGES: int  # _split_kernel_warps' cp.async ring (_split_kernel pipelines through num_stages)
+
+
+@aggregate
+class Rope:
+    """The rotary tables Cos and Sin (rotary_len positions x ROTARY_DIM / 2) and their strides."""
+
+    Cos: VALUE
+    Sin: VALUE
+    stride_cr: VALUE
+    stride_cc: VALUE
+    stride_sr: VALUE
+    stride_sc: VALUE
+    rotary_len: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len):
+        keep_all(self, dict(locals()))
+
+
+@aggregate
+class Cache:
+    """A program's view of the KV cache: K and V at its kv head (contiguous: and its sequence), its
+    page table row `table` (paged), cache_rows (k_cache's first dim: sequences or pages), capacity
+    (positions a sequence has) and the strides."""
+
+    K: VALUE
+    V: VALUE
+    table: VALUE
+    cache_rows: VALUE
+    capacity: VALUE
+    stride_kb: VALUE
+    stride_kn: VALUE
+    stride_kd: VALUE
+    stride_vb: VALUE
+    stride_vn: VALUE
+    stride_vd: VALUE
+    stride_tp: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, K, V, table, cache_rows, capacity, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+                 stride_vd, stride_tp):
+        keep_all(self, dict(locals()))
+
+
+@aggregate
+class NewRows:
+    """The new k and v rows of a program's (batch, kv head), (seqlen_new, d) at strides (t, d) each."""
+
+    K: VALUE
+    V: VALUE
+    stride_kt: VALUE
+    stride_kd: VALUE
+    stride_vt: VALUE
+    stride_vd: VALUE
+    seqlen_new: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, K, V, stride_kt, stride_kd, stride_vt, stride_vd, seqlen_new):
+        keep_all(self, dict(locals()))
+
+
+@aggregate
+class Rows:
+    """What says which keys a batch row has: the cache_seqlens tensor (or the int seqlen_const),
+    cache_leftpad and cache_batch_idx with their strides, seqlen_q, seqlen_new, capacity,
+    cache_rows, the splits and the window's left and right."""
+
+    Seqlens: VALUE
+    LeftPad: VALUE
+    BatchIdx: VALUE
+    stride_sl: VALUE
+    stride_lp: VALUE
+    stride_bi: VALUE
+    seqlen_const: VALUE
+    seqlen_q: VALUE
+    seqlen_new: VALUE
+    capacity: VALUE
+    cache_rows: VALUE
+    num_splits: VALUE
+    left: VALUE
+    right: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, Seqlens, LeftPad, BatchIdx, stride_sl, stride_lp, stride_bi, seqlen_const, seqlen_q, seqlen_new,
+                 capacity, cache_rows, num_splits, left, right):
+        keep_all(self, dict(locals()))
+
+
+@aggregate
+class Keys:
+    """The keys of a split program (_split_keys): n_given (cache_seqlens[b] as given), n_cache (it
+    clamped into the cache), pad (the left padding), the cache's sequence cb and whether it lies in
+    k_cache (cb_ok), seqlen_k, diag_offset = seqlen_k - seqlen_q, the physical positions [lo, hi)
+    any of its rows can see, and its split's tiles [blk_start, blk_end) of BLOCK_N positions."""
+
+    n_given: VALUE
+    n_cache: VALUE
+    pad: VALUE
+    cb: VALUE
+    cb_ok: VALUE
+    seqlen_k: VALUE
+    diag_offset: VALUE
+    lo: VALUE
+    hi: VALUE
+    blk_start: VALUE
+    blk_end: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end):
+        keep_all(self, dict(locals()))
+
+
+@aggregate
+class Outputs:
+    """Where a split program's rows go: Out / Lse (the partials (S, b, sq, h, d) and (S, b, h, sq),
+    or with one split the outputs, split stride 0), and with FUSED_COMBINE the merged OutF / LseF
+    and the arrival counters; the sink; the strides and the splits."""
+
+    Out: VALUE
+    Lse: VALUE
+    OutF: VALUE
+    LseF: VALUE
+    Arrivals: VALUE
+    Sink: VALUE
+    stride_os: VALUE
+    stride_ob: VALUE
+    stride_om: VALUE
+    stride_oh: VALUE
+    stride_od: VALUE
+    stride_ls: VALUE
+    stride_lb: VALUE
+    stride_lh: VALUE
+    stride_lm: VALUE
+    stride_fb: VALUE
+    stride_fm: VALUE
+    stride_fh: VALUE
+    stride_fd: VALUE
+    stride_gb: VALUE
+    stride_gh: VALUE
+    stride_gm: VALUE
+    num_splits: VALUE
+
+    @triton.constexpr_function
+    def __init__(self, Out, Lse, OutF, LseF, Arrivals, Sink, stride_os, stride_ob, stride_om, stride_oh, stride_od,
+                 stride_ls, stride_lb, stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb,
+                 stride_gh, stride_gm, num_splits):
+        keep_all(self, dict(locals()))
+
+
 @triton.jit
-def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc,
-               pos, rotary_len, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _load_rope(rows, offs_d, stride_d, mask, rope, pos, CFG: tl.constexpr):
     """Rows (R, BLOCK_D) as fp32, rotary embedding at positions pos (R,) on the first ROTARY_DIM dims.
 
     rows: (R, 1) pointers to each row's first element. Interleaved (GPT-J) rotates pairs
@@ -54,9 +227,9 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
     the lengths) is left unrotated rather than read out of bounds.
     """
     x = tl.load(rows + offs_d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    if ROTARY_DIM > 0:
-        HALF: tl.constexpr = ROTARY_DIM // 2
-        if INTERLEAVED:
+    if CFG.ROTARY_DIM > 0:
+        HALF: tl.constexpr = CFG.ROTARY_DIM // 2
+        if CFG.ROTARY_INTERLEAVED:
             first = offs_d % 2 == 0
             partner = offs_d ^ 1
             angle = offs_d // 2
@@ -64,11 +237,11 @@ def _load_rope(rows, offs_d, stride_d, mask, Cos, Sin, stride_cr, stride_cc, str
             first = offs_d < HALF
             partner = tl.where(first, offs_d + HALF, offs_d - HALF)
             angle = tl.where(first, offs_d, offs_d - HALF)
-        rot = mask & (offs_d[None, :] < ROTARY_DIM) & ((pos >= 0) & (pos < rotary_len))[:, None]
+        rot = mask & (offs_d[None, :] < CFG.ROTARY_DIM) & ((pos >= 0) & (pos < rope.rotary_len))[:, None]
         xp = tl.load(rows + partner[None, :] * stride_d, mask=rot, other=0.0).to(tl.float32)
         # outside the rotary dims cos = 1, sin = 0 and xp = 0, so x passes through unchanged
-        cos = tl.load(Cos + pos[:, None] * stride_cr + angle[None, :] * stride_cc, mask=rot, other=1.0)
-        sin = tl.load(Sin + pos[:, None] * stride_sr + angle[None, :] * stride_sc, mask=rot, other=0.0)
+        cos = tl.load(rope.Cos + pos[:, None] * rope.stride_cr + angle[None, :] * rope.stride_cc, mask=rot, other=1.0)
+        sin = tl.load(rope.Sin + pos[:, None] * rope.stride_sr + angle[None, :] * rope.stride_sc, mask=rot, other=0.0)
         x = x * cos.to(tl.float32) + tl.where(first[None, :], -xp, xp) * sin.to(tl.float32)
     return x
 
@@ -81,124 +254,104 @@ _LENGTHS = ("seqlen_const", "capacity", "cache_rows")
 
 
 @triton.jit
-def _cache_rows(pos, first, ok, table, cache_rows, stride_kb, stride_kn, stride_vb, stride_vn, stride_tp,
-                PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr):
+def _cache_rows(pos, first, ok, cache, PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr):
     """(ok, k_rows, v_rows) for cache positions pos (R,) of one sequence: the offsets of their rows
-    in K and V, through the page table `table` when paged, where ok loses the positions on a page
+    in cache.K and cache.V, through the page table when paged, where ok loses the positions on a page
     outside k_cache (cache_rows pages). ONE_PAGE: every position lies on the page of position
     `first`, whose index is read once."""
     if PAGE_SIZE > 0:
         if ONE_PAGE:
-            page = tl.load(table + (first // PAGE_SIZE) * stride_tp)
+            page = tl.load(cache.table + (first // PAGE_SIZE) * cache.stride_tp)
         else:
-            page = tl.load(table + (pos // PAGE_SIZE) * stride_tp, mask=ok, other=0)
-        ok = ok & (page >= 0) & (page < cache_rows)
-        k_rows = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
-        v_rows = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+            page = tl.load(cache.table + (pos // PAGE_SIZE) * cache.stride_tp, mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < cache.cache_rows)
+        k_rows = page.to(tl.int64) * cache.stride_kb + (pos % PAGE_SIZE) * cache.stride_kn
+        v_rows = page.to(tl.int64) * cache.stride_vb + (pos % PAGE_SIZE) * cache.stride_vn
     else:
-        k_rows = pos.to(tl.int64) * stride_kn
-        v_rows = pos.to(tl.int64) * stride_vn
+        k_rows = pos.to(tl.int64) * cache.stride_kn
+        v_rows = pos.to(tl.int64) * cache.stride_vn
     return ok, k_rows, v_rows
 
 
 @triton.jit
-def _append_rows(KNew, VNew, K, V, table, n_cache, t_first, t_last, capacity, cache_rows, rows_ok,
-                 stride_nt, stride_nd, stride_wt, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                 stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len, offs_t0,
-                 offs_d, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr):
-    """Write new rows of one (batch, kv head): KNew[t] -> cache position n_cache + t (rotary at that
-    position), VNew[t] likewise, for t in [t_first, t_last), BLOCK_T at a time.
+def _append_rows(new, cache, rope, n_cache, t_first, t_last, rows_ok, offs_t0, offs_d, CFG: tl.constexpr):
+    """Write new rows of one (batch, kv head): new.K[t] -> cache position n_cache + t (rotary at that
+    position), new.V[t] likewise, for t in [t_first, t_last), BLOCK_T at a time.
 
-    K, V: the cache at this kv head (and, contiguous, at this sequence); table: this row's page
-    table. rows_ok: False for a sequence outside k_cache. A row at a position outside
-    [0, capacity) or on a page outside k_cache is not written (see _split_kernel). offs_t0 =
-    arange(BLOCK_T) and offs_d = arange(BLOCK_D), in the layouts of the calling kernel's (BLOCK_T,
-    BLOCK_D) tile (Triton's or a Gluon kernel's: everything here is shaped by them).
+    rows_ok: False for a sequence outside k_cache. A row at a position outside [0, capacity) or on
+    a page outside k_cache is not written (see _split_kernel). offs_t0 = arange(BLOCK_T) and offs_d
+    = arange(BLOCK_D), in the layouts of the calling kernel's (BLOCK_T, BLOCK_D) tile (Triton's or a
+    Gluon kernel's: everything here is shaped by them).
     """
-    for t0 in tl.range(t_first, t_last, BLOCK_T, num_stages=1):  # not pipelined: no shared memory of its own
+    for t0 in tl.range(t_first, t_last, CFG.BLOCK_T, num_stages=1):  # not pipelined: no shared memory of its own
         offs_t = t0 + offs_t0
         pos = n_cache + offs_t
-        ok = (offs_t < t_last) & (pos >= 0) & (pos < capacity) & rows_ok
-        ok, k_rows, v_rows = _cache_rows(pos, n_cache + t0, ok, table, cache_rows, stride_kb, stride_kn, stride_vb,
-                                         stride_vn, stride_tp, PAGE_SIZE, False)
+        ok = (offs_t < t_last) & (pos >= 0) & (pos < cache.capacity) & rows_ok
+        ok, k_rows, v_rows = _cache_rows(pos, n_cache + t0, ok, cache, CFG.PAGE_SIZE, False)
         mask = ok[:, None]
-        if not EVEN_D:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        k = _load_rope(KNew + offs_t[:, None] * stride_nt, offs_d, stride_nd, mask, Cos, Sin, stride_cr, stride_cc,
-                       stride_sr, stride_sc, pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
-        v = tl.load(VNew + offs_t[:, None] * stride_wt + offs_d[None, :] * stride_wd, mask=mask)
-        tl.store(K + k_rows[:, None] + offs_d[None, :] * stride_kd, k.to(K.dtype.element_ty), mask=mask)
-        tl.store(V + v_rows[:, None] + offs_d[None, :] * stride_vd, v, mask=mask)
+        if not CFG.EVEN_D:
+            mask = mask & (offs_d[None, :] < CFG.HEAD_DIM)
+        k = _load_rope(new.K + offs_t[:, None] * new.stride_kt, offs_d, new.stride_kd, mask, rope, pos, CFG)
+        v = tl.load(new.V + offs_t[:, None] * new.stride_vt + offs_d[None, :] * new.stride_vd, mask=mask)
+        tl.store(cache.K + k_rows[:, None] + offs_d[None, :] * cache.stride_kd, k.to(cache.K.dtype.element_ty),
+                 mask=mask)
+        tl.store(cache.V + v_rows[:, None] + offs_d[None, :] * cache.stride_vd, v, mask=mask)
 
 
 @triton.jit
-def _split_keys(Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity,
-                cache_rows, num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODS: tl.constexpr,
-                HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
-    """What a split program of (batch b, M block at start_m) reads, in either split kernel: (n_given,
-    n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end). The keys any row of
-    the M block can see are the logical [lo - pad, hi - pad), physical [lo, hi); this split's share is
-    tiles [blk_start, blk_end) of BLOCK_N physical positions. Every index is clamped into the tensors
-    it addresses (_split_kernel's docstring)."""
-    if HAS_SEQLENS:
-        n_given = tl.load(Seqlens + b * stride_sl)
-        n_cache = tl.minimum(tl.maximum(n_given, 0), capacity)
+def _split_keys(rows, b, split, start_m, CFG: tl.constexpr, MODS: tl.constexpr):
+    """What a split program of (batch b, M block at start_m) reads, in either split kernel (Keys).
+    The keys any row of the M block can see are the logical [lo - pad, hi - pad), physical [lo, hi);
+    this split's share is tiles [blk_start, blk_end) of BLOCK_N physical positions. Every index is
+    clamped into the tensors it addresses (_split_kernel's docstring)."""
+    if CFG.HAS_SEQLENS:
+        n_given = tl.load(rows.Seqlens + b * rows.stride_sl)
+        n_cache = tl.minimum(tl.maximum(n_given, 0), rows.capacity)
     else:
-        n_given = seqlen_const  # a host int: always checked
+        n_given = rows.seqlen_const  # a host int: always checked
         n_cache = n_given
     pad = 0
-    if HAS_LEFTPAD:
-        pad = tl.minimum(tl.maximum(tl.load(LeftPad + b * stride_lp), 0), n_cache)
+    if CFG.HAS_LEFTPAD:
+        pad = tl.minimum(tl.maximum(tl.load(rows.LeftPad + b * rows.stride_lp), 0), n_cache)
     cb = b
     cb_ok = True
-    if HAS_BATCH_IDX:  # contiguous caches only (the API rejects it with a block_table)
-        cb = tl.load(BatchIdx + b * stride_bi)
-        cb_ok = (cb >= 0) & (cb < cache_rows)  # if not, the row gets no keys (below): nothing is read
-    seqlen_k = n_cache - pad + seqlen_new
-    diag_offset = seqlen_k - seqlen_q
+    if CFG.HAS_BATCH_IDX:  # contiguous caches only (the API rejects it with a block_table)
+        cb = tl.load(rows.BatchIdx + b * rows.stride_bi)
+        cb_ok = (cb >= 0) & (cb < rows.cache_rows)  # if not, the row gets no keys (below): nothing is read
+    seqlen_k = n_cache - pad + rows.seqlen_new
+    diag_offset = seqlen_k - rows.seqlen_q
 
     lo = 0
     hi = seqlen_k
     if MODS.left:
-        lo = tl.maximum(start_m // GROUP + diag_offset - left, 0)
+        lo = tl.maximum(start_m // CFG.GROUP + diag_offset - rows.left, 0)
     if MODS.right:
-        last_i = tl.minimum((start_m + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-        hi = tl.minimum(hi, tl.maximum(last_i + diag_offset + right + 1, 0))
-    hi = tl.minimum(hi + pad, capacity)
-    if HAS_BATCH_IDX:
+        last_i = tl.minimum((start_m + CFG.BLOCK_M - 1) // CFG.GROUP, rows.seqlen_q - 1)
+        hi = tl.minimum(hi, tl.maximum(last_i + diag_offset + rows.right + 1, 0))
+    hi = tl.minimum(hi + pad, rows.capacity)
+    if CFG.HAS_BATCH_IDX:
         hi = tl.where(cb_ok, hi, 0)  # a sequence outside k_cache: no keys
     lo = tl.minimum(lo + pad, hi)  # 0 <= lo <= hi <= capacity: every tile starts inside the cache
-    first_blk = lo // BLOCK_N
-    n_blk = tl.cdiv(hi, BLOCK_N) - first_blk
-    per_split = tl.cdiv(n_blk, num_splits)
+    first_blk = lo // CFG.BLOCK_N
+    n_blk = tl.cdiv(hi, CFG.BLOCK_N) - first_blk
+    per_split = tl.cdiv(n_blk, rows.num_splits)
     blk_start = first_blk + split * per_split
     blk_end = tl.minimum(blk_start + per_split, first_blk + n_blk)
-    return n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end
+    return Keys(n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end)
 
 
 @triton.jit
-def _split_append(Knew, Vnew, K, V, table, b, kh, split, start_m, n_given, n_cache, lo, hi, blk_start, blk_end,
-                  seqlen_new, capacity, cache_rows, cb_ok, stride_nb, stride_nt, stride_nh, stride_nd, stride_wb,
-                  stride_wt, stride_wh, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-                  stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len, offs_t0, offs_d,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, EVEN_D: tl.constexpr):
+def _split_append(new, cache, rope, keys, split, start_m, offs_t0, offs_d, CFG: tl.constexpr):
     """APPEND, in either split kernel: before its loop a program writes the new rows its split reads
     into the cache, and the programs of split 0, M block 0 write every new row (one a window hides
     from every query is still appended); the caller's barrier then makes them visible to all its
-    threads (_split_kernel's docstring). K, V: the cache at this kv head (contiguous: and sequence)."""
-    t_first = tl.maximum(tl.maximum(blk_start * BLOCK_N, lo) - n_cache, 0)
-    t_last = tl.minimum(tl.minimum(blk_end * BLOCK_N, hi) - n_cache, seqlen_new)
+    threads (_split_kernel's docstring)."""
+    t_first = tl.maximum(tl.maximum(keys.blk_start * CFG.BLOCK_N, keys.lo) - keys.n_cache, 0)
+    t_last = tl.minimum(tl.minimum(keys.blk_end * CFG.BLOCK_N, keys.hi) - keys.n_cache, new.seqlen_new)
     if (split == 0) & (start_m == 0):
         t_first = 0
-        t_last = seqlen_new
-    _append_rows(Knew + b.to(tl.int64) * stride_nb + kh * stride_nh, Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh,
-                 K, V, table, n_given, t_first, t_last, capacity, cache_rows, cb_ok, stride_nt, stride_nd, stride_wt,
-                 stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, Cos, Sin,
-                 stride_cr, stride_cc, stride_sr, stride_sc, rotary_len, offs_t0, offs_d, HEAD_DIM, BLOCK_T,
-                 PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, EVEN_D)
+        t_last = new.seqlen_new
+    _append_rows(new, cache, rope, keys.n_given, t_first, t_last, keys.cb_ok, offs_t0, offs_d, CFG)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -217,13 +370,7 @@ def _split_kernel(
     stride_cr, stride_cc, stride_sr, stride_sc,
     seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
     left, right, qk_scale, softcap,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MODS: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    ROTARY_INTERLEAVED: tl.constexpr,
-    ROTARY_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr,
-    APPEND: tl.constexpr, BLOCK_T: tl.constexpr, LAUNCH_COMBINE: tl.constexpr,
+    CFG: tl.constexpr, MODS: tl.constexpr,
 ):
     """Attention of one (batch, kv head, M block) over one split of its keys, after appending
     Knew/Vnew (b, seqlen_new, hk, d) at cache positions cache_seqlens[b] + t (APPEND).
@@ -254,17 +401,20 @@ def _split_kernel(
     LAUNCH_COMBINE: the combine kernel follows as a programmatic dependent launch (sm_90): once
     every program has started, its programs may too, and wait (gdc_wait) for this launch's writes.
     """
-    if LAUNCH_COMBINE:
+    if CFG.LAUNCH_COMBINE:
         gdc_launch_dependents()
+    BLOCK_M: tl.constexpr = CFG.BLOCK_M
+    BLOCK_N: tl.constexpr = CFG.BLOCK_N
+    BLOCK_D: tl.constexpr = CFG.BLOCK_D
+    GROUP: tl.constexpr = CFG.GROUP
     split = tl.program_id(0)
     kh = tl.program_id(1) // m_blocks
     start_m = (tl.program_id(1) % m_blocks) * BLOCK_M
     b = tl.program_id(2)
 
-    n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end = _split_keys(
-        Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows,
-        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, MODS,
-        HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD)
+    keys = _split_keys(Rows(Seqlens, LeftPad, BatchIdx, stride_sl, stride_lp, stride_bi, seqlen_const, seqlen_q,
+                            seqlen_new, capacity, cache_rows, num_splits, left, right), b, split, start_m, CFG, MODS)
+    rope = Rope(Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     i = rows // GROUP
@@ -272,20 +422,18 @@ def _split_kernel(
     row_ok = rows < seqlen_q * GROUP
     offs_d = tl.arange(0, BLOCK_D)
     row_mask = row_ok[:, None]
-    if not EVEN_D:
-        row_mask = row_mask & (offs_d[None, :] < HEAD_DIM)
+    if not CFG.EVEN_D:
+        row_mask = row_mask & (offs_d[None, :] < CFG.HEAD_DIM)
 
     q_rows = Q + b.to(tl.int64) * stride_qb + (i * stride_qm + head * stride_qh)[:, None]
-    if ROTARY_DIM > 0:
+    if CFG.ROTARY_DIM > 0:
         # flash-attn: with a causal or local mask query i sits at position cache_seqlens + i,
         # otherwise every query row takes position cache_seqlens
-        if ROTARY_BY_ROW:
-            q_pos = n_cache + i
+        if CFG.ROTARY_BY_ROW:
+            q_pos = keys.n_cache + i
         else:
-            q_pos = n_cache + i * 0
-        q = _load_rope(q_rows, offs_d, stride_qd, row_mask, Cos, Sin, stride_cr, stride_cc,
-                       stride_sr, stride_sc, q_pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
-        q = q.to(Q.dtype.element_ty)
+            q_pos = keys.n_cache + i * 0
+        q = _load_rope(q_rows, offs_d, stride_qd, row_mask, rope, q_pos, CFG).to(Q.dtype.element_ty)
     else:
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
     slope = 0.0
@@ -293,46 +441,45 @@ def _split_kernel(
         slope = tl.load(Slopes + b * stride_slope_b + head * stride_slope_h)[:, None]
 
     table = BlockTable  # None for a contiguous cache
-    if PAGE_SIZE > 0:
+    if CFG.PAGE_SIZE > 0:
         table = BlockTable + b.to(tl.int64) * stride_tb
     else:
-        K = K + cb.to(tl.int64) * stride_kb
-        V = V + cb.to(tl.int64) * stride_vb
-    K = K + kh * stride_kh
-    V = V + kh * stride_vh
-    if APPEND:
-        _split_append(Knew, Vnew, K, V, table, b, kh, split, start_m, n_given, n_cache, lo, hi, blk_start, blk_end,
-                      seqlen_new, capacity, cache_rows, cb_ok, stride_nb, stride_nt, stride_nh, stride_nd, stride_wb,
-                      stride_wt, stride_wh, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                      stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len,
-                      tl.arange(0, BLOCK_T), offs_d, HEAD_DIM, BLOCK_N, BLOCK_T, PAGE_SIZE, ROTARY_DIM,
-                      ROTARY_INTERLEAVED, EVEN_D)
+        K = K + keys.cb.to(tl.int64) * stride_kb
+        V = V + keys.cb.to(tl.int64) * stride_vb
+    cache = Cache(K + kh * stride_kh, V + kh * stride_vh, table, cache_rows, capacity, stride_kb, stride_kn, stride_kd,
+                  stride_vb, stride_vn, stride_vd, stride_tp)
+    if CFG.APPEND:
+        new = NewRows(Knew + b.to(tl.int64) * stride_nb + kh * stride_nh,
+                      Vnew + b.to(tl.int64) * stride_wb + kh * stride_wh, stride_nt, stride_nd, stride_wt, stride_wd,
+                      seqlen_new)
+        _split_append(new, cache, rope, keys, split, start_m, tl.arange(0, CFG.BLOCK_T), offs_d, CFG)
         tl.debug_barrier()  # this program's new rows are in the cache for all its threads
 
+    lo, hi, pad, diag_offset = keys.lo, keys.hi, keys.pad, keys.diag_offset
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(blk_start * BLOCK_N, blk_end * BLOCK_N, BLOCK_N):
+    for start_n in range(keys.blk_start * BLOCK_N, keys.blk_end * BLOCK_N, BLOCK_N):
         pos = start_n + tl.arange(0, BLOCK_N)
         key_ok = (pos >= lo) & (pos < hi)
         # with pages a multiple of the tile, the tile lies inside one page: one page index per tile.
         # A key on a page outside k_cache reads zeros but stays in the scores, so the page indices
         # are needed only in the layout of the tile's addresses
-        read_ok, k_rows, v_rows = _cache_rows(pos, start_n, key_ok, table, cache_rows, stride_kb, stride_kn,
-                                              stride_vb, stride_vn, stride_tp, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
+        read_ok, k_rows, v_rows = _cache_rows(pos, start_n, key_ok, cache, CFG.PAGE_SIZE,
+                                              CFG.PAGE_SIZE % BLOCK_N == 0)
         kv_mask = read_ok[:, None]
-        if not EVEN_D:
-            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if not CFG.EVEN_D:
+            kv_mask = kv_mask & (offs_d[None, :] < CFG.HEAD_DIM)
+        k = tl.load(cache.K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(cache.V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        qk = tl.dot(q, tl.trans(k), input_precision=CFG.DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         j = pos - pad  # logical key index
         s2, _ = scores_log2(qk, i[:, None], j[None, :], qk_scale, softcap, slope, diag_offset,
                             MODS)
         ok = key_ok[None, :]
         if MODS.left or MODS.right:
-            ok = ok & visible(i[:, None], j[None, :], diag_offset, seqlen_k, left, right, MODS)
+            ok = ok & visible(i[:, None], j[None, :], diag_offset, keys.seqlen_k, left, right, MODS)
         s2 = tl.where(ok, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
@@ -340,54 +487,52 @@ def _split_kernel(
         p = tl.exp2(s2 - m_sub[:, None])  # P_tilde, (BLOCK_M, BLOCK_N)
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=CFG.DOT_PRECISION)
         m_i = m_new
 
-    _split_epilogue(acc, l_i, m_i, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), Out, Lse, OutF, LseF, Arrivals,
-                    Sink, b, i, head, offs_d, row_ok, row_mask, split,
-                    num_splits, stride_os, stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb,
-                    stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
-                    FUSED_COMBINE, MERGE_UNROLL, HAS_SINK)
+    outs = Outputs(Out, Lse, OutF, LseF, Arrivals, Sink, stride_os, stride_ob, stride_om, stride_oh, stride_od,
+                   stride_ls, stride_lb, stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb,
+                   stride_gh, stride_gm, num_splits)
+    _split_epilogue(acc, l_i, m_i, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), outs, b, i, head, offs_d, row_ok,
+                    row_mask, split, CFG)
 
 
 @triton.jit
-def _split_epilogue(acc, l_i, m_i, zeros, Out, Lse, OutF, LseF, Arrivals, Sink, b, i, head, offs_d, row_ok, row_mask,
-                    split,
-                    num_splits, stride_os, stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb,
-                    stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm,
-                    FUSED_COMBINE: tl.constexpr, MERGE_UNROLL: tl.constexpr, HAS_SINK: tl.constexpr):
+def _split_epilogue(acc, l_i, m_i, zeros, outs, b, i, head, offs_d, row_ok, row_mask, split, CFG: tl.constexpr):
     """A split program's end, in either split kernel: its rows' (acc (rows, d), l_i, m_i), query i
     and head per row, normalised into its partial (or, with one split, the output) with their LSE;
     zeros: (rows, d) fp32 zeros in acc's layout, where the fused merge starts;
     with FUSED_COMBINE the last program of its row of splits then merges them (the kernel's
     docstring). Shaped by the caller's tensors, so a Gluon kernel passes its own layouts."""
-    if HAS_SINK:
-        if num_splits == 1:  # these rows are final; partials get the sink in the merge
-            acc, l_i, m_i = fold_sink(acc, l_i, m_i, Sink, head)
+    if CFG.HAS_SINK:
+        if outs.num_splits == 1:  # these rows are final; partials get the sink in the merge
+            acc, l_i, m_i = fold_sink(acc, l_i, m_i, outs.Sink, head)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     # this tile's rows in split 0's partials (or in the outputs, with one split)
-    out_tile = Out + b.to(tl.int64) * stride_ob + (i * stride_om + head * stride_oh)[:, None] + offs_d[None, :] * stride_od
-    lse_tile = Lse + b.to(tl.int64) * stride_lb + head * stride_lh + i * stride_lm
-    tl.store(out_tile + split.to(tl.int64) * stride_os, out.to(Out.dtype.element_ty), mask=row_mask)
-    tl.store(lse_tile + split.to(tl.int64) * stride_ls, lse, mask=row_ok)
+    out_tile = (outs.Out + b.to(tl.int64) * outs.stride_ob + (i * outs.stride_om + head * outs.stride_oh)[:, None]
+                + offs_d[None, :] * outs.stride_od)
+    lse_tile = outs.Lse + b.to(tl.int64) * outs.stride_lb + head * outs.stride_lh + i * outs.stride_lm
+    tl.store(out_tile + split.to(tl.int64) * outs.stride_os, out.to(outs.Out.dtype.element_ty), mask=row_mask)
+    tl.store(lse_tile + split.to(tl.int64) * outs.stride_ls, lse, mask=row_ok)
 
-    if FUSED_COMBINE:
+    if CFG.FUSED_COMBINE:
         # Arrival counting (a split-K semaphore): every thread's partial stores are issued before
         # the barrier, and the counter's add releases them at GPU scope; the program that sees
         # num_splits - 1 arrivals before its own acquires every other program's partials.
         tl.debug_barrier()
-        arrivals = Arrivals + b * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        arrivals = outs.Arrivals + b * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == outs.num_splits - 1:
             tl.store(arrivals, 0)  # zero again for the next launch
-            out, lse = _merge_splits(out_tile, lse_tile, stride_os, stride_ls, num_splits, row_ok, row_mask,
-                                     Sink, head, zeros, MERGE_UNROLL, HAS_SINK)
-            OutF = OutF + b.to(tl.int64) * stride_fb
-            tl.store(OutF + (i * stride_fm + head * stride_fh)[:, None] + offs_d[None, :] * stride_fd,
+            out, lse = _merge_splits(out_tile, lse_tile, outs.stride_os, outs.stride_ls, outs.num_splits, row_ok,
+                                     row_mask, outs.Sink, head, zeros, CFG.MERGE_UNROLL, CFG.HAS_SINK)
+            OutF = outs.OutF + b.to(tl.int64) * outs.stride_fb
+            tl.store(OutF + (i * outs.stride_fm + head * outs.stride_fh)[:, None] + offs_d[None, :] * outs.stride_fd,
                      out.to(OutF.dtype.element_ty), mask=row_mask)
-            tl.store(LseF + b.to(tl.int64) * stride_gb + head * stride_gh + i * stride_gm, lse, mask=row_ok)
+            tl.store(outs.LseF + b.to(tl.int64) * outs.stride_gb + head * outs.stride_gh + i * outs.stride_gm, lse,
+                     mask=row_ok)
 
 
 @triton.jit

@@ -11,7 +11,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from flashtile.ops.decode import _LENGTHS, _load_rope, _split_append, _split_epilogue, _split_keys
+from flashtile.ops.decode import (_LENGTHS, Cache, NewRows, Outputs, Rope, Rows, _load_rope, _split_append,
+                                  _split_epilogue, _split_keys)
 from flashtile.ops.masks import visible
 from flashtile.ops.mods import scores_log2
 
@@ -32,13 +33,7 @@ def _split_kernel_warps(
     stride_cr, stride_cc, stride_sr, stride_sc,
     seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
     left, right, qk_scale, softcap,
-    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, MODS: gl.constexpr, ROTARY_DIM: gl.constexpr,
-    ROTARY_INTERLEAVED: gl.constexpr,
-    ROTARY_BY_ROW: gl.constexpr, DOT_PRECISION: gl.constexpr, EVEN_D: gl.constexpr,
-    HAS_SEQLENS: gl.constexpr, HAS_BATCH_IDX: gl.constexpr, HAS_LEFTPAD: gl.constexpr, FUSED_COMBINE: gl.constexpr,
-    MERGE_UNROLL: gl.constexpr, HAS_SINK: gl.constexpr,
-    APPEND: gl.constexpr, BLOCK_T: gl.constexpr, LAUNCH_COMBINE: gl.constexpr, STAGES: gl.constexpr,
+    CFG: gl.constexpr, MODS: gl.constexpr,
 ):
     """_split_kernel (same arguments, grid and outputs) with each warp on keys of its own: the
     Gluon form that configs.decode_warp_tiles picks where it measured faster (sm_90, fp16/bf16, d=64
@@ -55,7 +50,12 @@ def _split_kernel_warps(
     16, and P^T goes from the first product's accumulator into the second's operand in registers.
     Key ranges, the append, rotary, masks, pages and the epilogue are _split_kernel's, through the
     same helpers."""
-    gl.static_assert(EVEN_D, "whole 16-byte rows only")
+    gl.static_assert(CFG.EVEN_D, "whole 16-byte rows only")
+    HEAD_DIM: gl.constexpr = CFG.HEAD_DIM
+    BLOCK_M: gl.constexpr = CFG.BLOCK_M
+    BLOCK_N: gl.constexpr = CFG.BLOCK_N
+    GROUP: gl.constexpr = CFG.GROUP
+    STAGES: gl.constexpr = CFG.STAGES
     W: gl.constexpr = gl.num_warps()
     KW: gl.constexpr = BLOCK_N // W  # keys a warp takes of each tile
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
@@ -68,52 +68,53 @@ def _split_kernel_warps(
     out_l: gl.constexpr = gl.SliceLayout(0, red_l)  # (rows, d)
     dtype: gl.constexpr = K.dtype.element_ty
 
-    if LAUNCH_COMBINE:
+    if CFG.LAUNCH_COMBINE:
         gdc_launch_dependents()
     split = gl.program_id(0)
     kh = gl.program_id(1) // m_blocks
     start_m = (gl.program_id(1) % m_blocks) * BLOCK_M
     b = gl.program_id(2)
 
-    n_given, n_cache, pad, cb, cb_ok, seqlen_k, diag_offset, lo, hi, blk_start, blk_end = _split_keys(
-        Seqlens, LeftPad, BatchIdx, b, split, start_m, seqlen_const, seqlen_q, seqlen_new, capacity, cache_rows,
-        num_splits, left, right, stride_sl, stride_lp, stride_bi, GROUP, BLOCK_M, BLOCK_N, MODS,
-        HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD)
-    n_tiles = gl.maximum(blk_end - blk_start, 0)
+    keys = _split_keys(Rows(Seqlens, LeftPad, BatchIdx, stride_sl, stride_lp, stride_bi, seqlen_const, seqlen_q,
+                            seqlen_new, capacity, cache_rows, num_splits, left, right), b, split, start_m, CFG, MODS)
+    rope = Rope(Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len)
+    lo, hi, pad, n_cache = keys.lo, keys.hi, keys.pad, keys.n_cache
+    blk_start = keys.blk_start
+    n_tiles = gl.maximum(keys.blk_end - blk_start, 0)
 
     table = BlockTable
-    if PAGE_SIZE > 0:
+    if CFG.PAGE_SIZE > 0:
         table = BlockTable + b.to(gl.int64) * stride_tb
     else:
-        K = K + cb.to(gl.int64) * stride_kb
-        V = V + cb.to(gl.int64) * stride_vb
+        K = K + keys.cb.to(gl.int64) * stride_kb
+        V = V + keys.cb.to(gl.int64) * stride_vb
     K = K + kh * stride_kh
     V = V + kh * stride_vh
     # a (rows or new keys, d) tile for the append and a rotated q: a row's 16-byte pieces across lanes
     rows_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 256 // HEAD_DIM, HEAD_DIM // 8], [1, W, 1], [2, 1, 0])
-    if APPEND:
-        _split_append(Knew, Vnew, K, V, table, b, kh, split, start_m, n_given, n_cache, lo, hi, blk_start, blk_end,
-                      seqlen_new, capacity, cache_rows, cb_ok, stride_nb, stride_nt, stride_nh, stride_nd, stride_wb,
-                      stride_wt, stride_wh, stride_wd, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                      stride_vd, stride_tp, Cos, Sin, stride_cr, stride_cc, stride_sr, stride_sc, rotary_len,
-                      gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, gl.SliceLayout(0, rows_l))),
-                      gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(0, rows_l))), HEAD_DIM, BLOCK_N,
-                      BLOCK_T, PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, EVEN_D)
+    cache = Cache(K, V, table, cache_rows, capacity, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                  stride_tp)
+    if CFG.APPEND:
+        new = NewRows(Knew + b.to(gl.int64) * stride_nb + kh * stride_nh,
+                      Vnew + b.to(gl.int64) * stride_wb + kh * stride_wh, stride_nt, stride_nd, stride_wt, stride_wd,
+                      seqlen_new)
+        _split_append(new, cache, rope, keys, split, start_m,
+                      gl.arange(0, CFG.BLOCK_T, layout=gl.SliceLayout(1, gl.SliceLayout(0, rows_l))),
+                      gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(0, rows_l))), CFG)
         gl.thread_barrier()  # this program's new rows are in the cache for all its threads
 
     # Q^T (W, d, rows), every warp's the same: row r is query r // GROUP of head kh GROUP + r % GROUP
-    if ROTARY_DIM > 0:
+    if CFG.ROTARY_DIM > 0:
         # rotated as _split_kernel rotates it, in (rows, d), then turned into the operand's layout
         r_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(0, rows_l)))
         r_i = r_rows // GROUP
         r_ptr = Q + b.to(gl.int64) * stride_qb + (r_i * stride_qm + (kh * GROUP + r_rows % GROUP) * stride_qh)[:, None]
-        if ROTARY_BY_ROW:
+        if CFG.ROTARY_BY_ROW:
             q_pos = n_cache + r_i
         else:
             q_pos = n_cache + r_i * 0
         q2 = _load_rope(r_ptr, gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(0, rows_l))),
-                        stride_qd, (r_rows < seqlen_q * GROUP)[:, None], Cos, Sin, stride_cr, stride_cc, stride_sr,
-                        stride_sc, q_pos, rotary_len, ROTARY_DIM, ROTARY_INTERLEAVED)
+                        stride_qd, (r_rows < seqlen_q * GROUP)[:, None], rope, q_pos, CFG)
         q3 = gl.expand_dims(q2.to(dtype), 0) + gl.zeros([W, BLOCK_M, HEAD_DIM], dtype, rows_l)
         q_t = gl.convert_layout(gl.permute(q3, (0, 2, 1)), b_op)
     else:
@@ -145,9 +146,8 @@ def _split_kernel_warps(
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, W, KW, HEAD_DIM], ring_l)
     for t in gl.static_range(STAGES - 1):
         if t < n_tiles:
-            _copy_tile(K, V, k_ring.index(t), v_ring.index(t), table, (blk_start + t) * BLOCK_N, c_warp, c_keys, c_d,
-                       k_cols, v_cols, lo, hi, cache_rows, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                       stride_vd, stride_tp, PAGE_SIZE, BLOCK_N, KW)
+            _copy_tile(cache, k_ring.index(t), v_ring.index(t), (blk_start + t) * BLOCK_N, c_warp, c_keys, c_d,
+                       k_cols, v_cols, lo, hi, CFG.PAGE_SIZE, BLOCK_N, KW)
         async_copy.commit_group()
 
     m_i = gl.full([W, BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
@@ -158,17 +158,16 @@ def _split_kernel_warps(
         gl.thread_barrier()  # tile t is in, and every warp is done with the slot the copy below refills
         nxt = t + STAGES - 1
         if nxt < n_tiles:
-            _copy_tile(K, V, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), table,
-                       (blk_start + nxt) * BLOCK_N, c_warp, c_keys, c_d, k_cols, v_cols, lo, hi, cache_rows, stride_kb,
-                       stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE, BLOCK_N, KW)
+            _copy_tile(cache, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), (blk_start + nxt) * BLOCK_N,
+                       c_warp, c_keys, c_d, k_cols, v_cols, lo, hi, CFG.PAGE_SIZE, BLOCK_N, KW)
         async_copy.commit_group()
         slot = t % STAGES
         qk = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([W, KW, BLOCK_M], gl.float32, mma))
         start = (blk_start + t) * BLOCK_N
         pos = start + s_keys
-        s2, _ = scores_log2(qk, i, pos - pad, qk_scale, softcap, slope, diag_offset, MODS)
+        s2, _ = scores_log2(qk, i, pos - pad, qk_scale, softcap, slope, keys.diag_offset, MODS)
         if MODS.left or MODS.right:
-            ok = (pos >= lo) & (pos < hi) & visible(i, pos - pad, diag_offset, seqlen_k, left, right, MODS)
+            ok = (pos >= lo) & (pos < hi) & visible(i, pos - pad, keys.diag_offset, keys.seqlen_k, left, right, MODS)
             s2 = gl.where(ok, s2, float("-inf"))
         elif (start < lo) | (start + BLOCK_N > hi):  # a tile with keys outside [lo, hi): the split's ends
             s2 = gl.where((pos >= lo) & (pos < hi), s2, float("-inf"))
@@ -197,12 +196,12 @@ def _split_kernel_warps(
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_l))
     row_ok = rows < seqlen_q * GROUP
-    _split_epilogue(acc, l_sum, m, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, out_l), Out, Lse, OutF, LseF, Arrivals,
-                    Sink, b, rows // GROUP, kh * GROUP + rows % GROUP,
-                    offs_d, row_ok, row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], split, num_splits, stride_os,
-                    stride_ob, stride_om, stride_oh, stride_od, stride_ls, stride_lb, stride_lh, stride_lm, stride_fb,
-                    stride_fm, stride_fh, stride_fd, stride_gb, stride_gh, stride_gm, FUSED_COMBINE, MERGE_UNROLL,
-                    HAS_SINK)
+    outs = Outputs(Out, Lse, OutF, LseF, Arrivals, Sink, stride_os, stride_ob, stride_om, stride_oh, stride_od,
+                   stride_ls, stride_lb, stride_lh, stride_lm, stride_fb, stride_fm, stride_fh, stride_fd, stride_gb,
+                   stride_gh, stride_gm, num_splits)
+    _split_epilogue(acc, l_sum, m, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, out_l), outs, b, rows // GROUP,
+                    kh * GROUP + rows % GROUP, offs_d, row_ok, row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], split,
+                    CFG)
 
 
 # cp.async copies the cache's rows in 16-byte pieces, so these strides must be known multiples of 16
@@ -212,26 +211,26 @@ _split_kernel_warps.aligned_strides = ("stride_kb", "stride_kn", "stride_kh", "s
 
 
 @gluon.jit
-def _copy_tile(K, V, k_slot, v_slot, table, start, warp0, keys, cols, k_cols, v_cols, lo, hi, cache_rows, stride_kb,
-               stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tp, PAGE_SIZE: gl.constexpr,
+def _copy_tile(cache, k_slot, v_slot, start, warp0, key_ids, cols, k_cols, v_cols, lo, hi, PAGE_SIZE: gl.constexpr,
                BLOCK_N: gl.constexpr, KW: gl.constexpr):
     """Start the copies of the tile of keys [start, start + BLOCK_N) into a ring slot of
-    _split_kernel_warps: warp w's keys start + warp0 + [0, KW) (keys (W, KW, 1), warp0 (W, 1, 1)),
+    _split_kernel_warps: warp w's keys start + warp0 + [0, KW) (key_ids (W, KW, 1), warp0 (W, 1, 1)),
     columns cols (1, 1, d); k_cols / v_cols: a contiguous cache's offsets of those keys and columns
     from the tile's first. Paged, a warp whose KW keys lie on one page (KW divides the page size)
     reads its page index once, else each key its own. Keys outside [lo, hi), or on a page outside
     k_cache, copy zeros and read nothing; only the tiles at a split's ends have keys outside [lo, hi)."""
+    K, V, table = cache.K, cache.V, cache.table
     if PAGE_SIZE > 0:
-        pos = start + keys
+        pos = start + key_ids
         # a table slot past hi may lie past the table's row (the last tile of a capacity that is not
         # a whole number of tiles): not read, and its keys copy nothing
         if PAGE_SIZE % KW == 0:
-            page = gl.load(table + ((start + warp0) // PAGE_SIZE) * stride_tp, mask=start + warp0 < hi, other=-1)
+            page = gl.load(table + ((start + warp0) // PAGE_SIZE) * cache.stride_tp, mask=start + warp0 < hi, other=-1)
         else:
-            page = gl.load(table + (pos // PAGE_SIZE) * stride_tp, mask=pos < hi, other=-1)
-        page_ok = (page >= 0) & (page < cache_rows)
-        k_ptrs = K + page.to(gl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn + cols * stride_kd
-        v_ptrs = V + page.to(gl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn + cols * stride_vd
+            page = gl.load(table + (pos // PAGE_SIZE) * cache.stride_tp, mask=pos < hi, other=-1)
+        page_ok = (page >= 0) & (page < cache.cache_rows)
+        k_ptrs = K + page.to(gl.int64) * cache.stride_kb + (pos % PAGE_SIZE) * cache.stride_kn + cols * cache.stride_kd
+        v_ptrs = V + page.to(gl.int64) * cache.stride_vb + (pos % PAGE_SIZE) * cache.stride_vn + cols * cache.stride_vd
         if (start < lo) | (start + BLOCK_N > hi):
             ok = page_ok & (pos >= lo) & (pos < hi)
             async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=ok)
@@ -240,14 +239,13 @@ def _copy_tile(K, V, k_slot, v_slot, table, start, warp0, keys, cols, k_cols, v_
             async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=page_ok)
             async_copy.async_copy_global_to_shared(v_slot, v_ptrs, mask=page_ok)
     else:
-        k_ptrs = K + start.to(gl.int64) * stride_kn + k_cols
-        v_ptrs = V + start.to(gl.int64) * stride_vn + v_cols
+        k_ptrs = K + start.to(gl.int64) * cache.stride_kn + k_cols
+        v_ptrs = V + start.to(gl.int64) * cache.stride_vn + v_cols
         if (start < lo) | (start + BLOCK_N > hi):
-            pos = start + keys
+            pos = start + key_ids
             ok = (pos >= lo) & (pos < hi)
             async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=ok)
             async_copy.async_copy_global_to_shared(v_slot, v_ptrs, mask=ok)
         else:
             async_copy.async_copy_global_to_shared(k_slot, k_ptrs)
             async_copy.async_copy_global_to_shared(v_slot, v_ptrs)
-

@@ -14,7 +14,7 @@ import torch
 
 from flashtile.ops import configs, dispatch
 from flashtile.ops._launch import Prepared, cdiv, current_stream, next_pow2
-from flashtile.ops.decode import _combine_kernel, _split_kernel
+from flashtile.ops.decode import DecodeFlags, _combine_kernel, _split_kernel
 from flashtile.ops.decode_sm90 import _split_kernel_warps
 from flashtile.ops.host import dot_precision
 from flashtile.ops.mods import Mods, alibi_strides, kernel_scale
@@ -122,9 +122,6 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
         rotary_strides = (*rotary_cos.stride(), *rotary_sin.stride())
     table_strides = (0, 0) if block_table is None else tuple(block_table.stride())
     block_d = configs.padded_headdim(d)
-    flags = dict(HEAD_DIM=d, BLOCK_D=block_d, PAGE_SIZE=page_size, ROTARY_DIM=rotary_dim,
-                 ROTARY_INTERLEAVED=bool(rotary_interleaved), EVEN_D=d == block_d,
-                 HAS_SEQLENS=seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None)
 
     # out (b, sq, h, d) and lse (b, h, sq) are allocated contiguous by each call; the partials
     # (S, b, sq, h, d) and (S, b, h, sq) share one fp32 buffer, the lse part 16-byte aligned
@@ -150,25 +147,30 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
     qk_scale, softcap = kernel_scale(softmax_scale, softcap)
     split = split_any = None
     if b > 0:
-        flags.update(GROUP=group, MODS=Mods(left >= 0, right >= 0, softcap > 0, alibi_slopes is not None),
-                     ROTARY_BY_ROW=left >= 0 or window[1] >= 0, DOT_PRECISION=dot_precision(dtype),
-                     HAS_LEFTPAD=cache_leftpad is not None, FUSED_COMBINE=fused,
-                     MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
-                     BLOCK_T=min(16, next_pow2(seqlen_new)), LAUNCH_COMBINE=pdl)
+        mods = Mods(left >= 0, right >= 0, softcap > 0, alibi_slopes is not None)
         fixed = ((seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin),
                  (*o_strides, *l_strides, *out_strides, *lse_strides, _stride0(seqlens), _stride0(cache_batch_idx),
                   _stride0(cache_leftpad), *table_strides, *alibi_strides(alibi_slopes), *rotary_strides,
                   seqlen_const, sq, seqlen_new, capacity, cache_rows, rotary_len, m_blocks, num_splits,
                   max(left, 0), max(right, 0), qk_scale, softcap))
 
-        def prepare(kernel, tiles, stages, **more):
-            return Prepared(kernel, (num_splits, hk * m_blocks, b), *fixed, tiles.num_warps, stages, pdl,
-                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **flags, **more)
+        def prepare(kernel, tiles, gluon):
+            flags = DecodeFlags(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=tiles.block_m,
+                                BLOCK_N=tiles.block_n, PAGE_SIZE=page_size, ROTARY_DIM=rotary_dim,
+                                ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_BY_ROW=left >= 0 or window[1] >= 0,
+                                DOT_PRECISION=dot_precision(dtype), EVEN_D=d == block_d,
+                                HAS_SEQLENS=seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
+                                HAS_LEFTPAD=cache_leftpad is not None, FUSED_COMBINE=fused,
+                                MERGE_UNROLL=configs.DECODE_MERGE_UNROLL, HAS_SINK=has_sink, APPEND=seqlen_new > 0,
+                                BLOCK_T=min(16, next_pow2(seqlen_new)), LAUNCH_COMBINE=pdl,
+                                STAGES=tiles.num_stages if gluon else 0)
+            return Prepared(kernel, (num_splits, hk * m_blocks, b), *fixed, tiles.num_warps,
+                            None if gluon else tiles.num_stages, pdl, CFG=flags, MODS=mods)
 
         if warps is None:
-            split = prepare(_split_kernel, cfg, cfg.num_stages)
+            split = prepare(_split_kernel, cfg, False)
         else:
-            split = prepare(_split_kernel_warps, cfg, None, STAGES=cfg.num_stages)
+            split = prepare(_split_kernel_warps, cfg, True)
 
             @functools.cache
             def split_any():
@@ -176,7 +178,7 @@ def plan(b, sq, h, hk, d, dtype, device, *, page_size, capacity, cache_rows, seq
                 (decode_attention) takes _split_kernel with the same splits (and one M block, as
                 either's tiles hold the <= 16 rows), prepared at its first such call."""
                 tiles, _ = configs.decode_tiles(sq * group, d, dtype, page_size, device, b * hk, keys, num_splits)
-                return prepare(_split_kernel, tiles, tiles.num_stages)
+                return prepare(_split_kernel, tiles, False)
     return DecodeLaunch((b, sq, h, d), (b, h, sq), num_splits, seqlen_new, split, split_any, combine, fused, sizes,
                         {}, {}, has_sink)
 
