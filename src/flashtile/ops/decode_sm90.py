@@ -11,8 +11,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from flashtile.ops.decode import (_LENGTHS, Cache, NewRows, Outputs, Rope, Rows, _load_rope, _split_append,
-                                  _split_epilogue, _split_keys)
+from flashtile.ops.decode import (
+    _LENGTHS,
+    Cache,
+    NewRows,
+    Outputs,
+    Rope,
+    Rows,
+    _load_rope,
+    _split_append,
+    _split_epilogue,
+    _split_keys,
+)
 from flashtile.ops.masks import visible
 from flashtile.ops.mods import scores_log2
 
