@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from flashtile.ops import _launch, configs, decode, decoding, forward_sm90
+from flashtile.ops import _launch, configs, decoding, forward_sm90
 
 _BACKEND = None
 _BINDERS: dict = {}
@@ -80,7 +80,7 @@ def recording(as_h100: bool = False):
     if as_h100:
         saved += [(configs, "capability", configs.capability), (configs, "on_gpu", configs.on_gpu),
                   (forward_sm90, "tile_counter", forward_sm90.tile_counter),
-                  (decode, "current_stream", decoding.current_stream)]
+                  (decoding, "current_stream", decoding.current_stream)]
     try:
         _launch.Prepared.__call__ = prepared_call
         if as_h100:

@@ -126,3 +126,24 @@ def test_backward_plan_of_one_tensor_in_three_slots():
     naive.attention(q64, k64, v64, causal=True)[0].backward(dout.double())
     for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_hopper_backward_adds_into_the_callers_dq_on_every_call():
+    """accumulate_dq (ring attention's dQ sum) where the Hopper kernel adds straight into the
+    caller's float32 dq: the plan takes dq from the call's dq slot. It once took it from a slot
+    that only the planning call's tensors filled, so every call launched with None there once
+    plans were made on distinct() copies (seen on the H100: ring attention and accumulate_dq's
+    tests). Recorded as on an H100, nothing runs."""
+    from compile_keys import recording
+
+    from flashtile.ops import prefill
+
+    q, k, v, dout = (torch.randn(1, 256, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    scale, window = 128 ** -0.5, (None, 0)
+    with recording(as_h100=True) as rec:
+        out, lse = prefill.attention_forward(q, k, v, scale, window)
+        for _ in range(2):
+            dq = torch.zeros(q.shape, dtype=torch.float32)
+            got = prefill.attention_backward(dout, q, k, v, out, lse, scale, window, dq=dq, accumulate_dq=True)
+            assert got[0] is dq
+    assert rec.kernels() >= {"_fwd_kernel_sm90", "_bwd_kernel_sm90"}, rec.kernels()

@@ -13,7 +13,7 @@ from varlen_check import check_varlen
 
 from flashtile._checks import Varlen
 from flashtile.bench.harness import capture
-from flashtile.ops import _launch, backward, backward_sm90, configs, forward_sm90, prefill
+from flashtile.ops import _launch, backward_sm90, configs, forward_sm90, prefill
 from flashtile.reference.dropout import DropoutMask, draw_rng
 
 pytestmark = pytest.mark.cuda
@@ -287,8 +287,13 @@ def test_backward_reruns(hopper_backward_launches, d):
 @pytest.fixture
 def deterministic_launches(hopper_backward_launches, monkeypatch):
     """As hopper_backward_launches, every launch asked for dQ's additions in their fixed order."""
-    launch = backward_sm90.plan
-    monkeypatch.setattr(backward, "_launch_sm90", lambda *a, **kw: launch(*a, **{**kw, "deterministic": True}))
+    plan = backward_sm90.plan
+
+    def ordered(env, cfg, softmax_scale, window, softcap, varlen, dropout, accumulate_dq, deterministic, zero_grads):
+        return plan(env, cfg, softmax_scale, window, softcap, varlen, dropout, accumulate_dq, True, zero_grads)
+
+    monkeypatch.setattr(backward_sm90, "plan", ordered)
+    monkeypatch.setattr(prefill, "_backward_plans", {})  # no plan made before without the order
     return hopper_backward_launches
 
 

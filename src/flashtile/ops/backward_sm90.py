@@ -879,7 +879,9 @@ def plan(env: list, cfg, softmax_scale, window, softcap, varlen, dropout, accumu
     # the kernel adds dQ / (softmax_scale ds_unit): a buffer of its own where dq must get dQ / softmax_scale,
     # zeroed by the delta launch
     own_dq = not (accumulate_dq and ds_unit == 1)
-    env[DQ_ACC] = dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if own_dq else dq
+    dq_acc = dq  # the kernel adds into the caller's dq, which the launches then take from its slot
+    if own_dq:
+        env[DQ_ACC] = dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     pre = configs.delta_config(d, q.device)
     delta_launch = Plan.of(env, _delta_kernel, (cdiv(rows_pad, pre.block_m), h, b),
                            (out, dout, delta2, lse, lse2, delta, vl_tensors[0], dq_acc if own_dq else None),
