@@ -29,7 +29,7 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
   alone_s=${ALONE_S:-90}  # the serial step's share of the budget (its Hopper pair took 12 s alone on the H100)
   budget=$(( ${TEST_BUDGET_S:-540} - alone_s ))  # the shards'
   prefill="tests/test_prefill_cuda.py"
-  alone="past_65535 or long_and_many_short"  # 4100 x 16-head batches, a 4 GB oracle: out of memory beside the other shards (the H100), so run after them
+  alone="(past_65535 or long_and_many_short)"  # 4100 x 16-head batches, a 4 GB oracle: out of memory beside the other shards (the H100), so run after them
   varlen="tests/test_varlen_cuda.py"
   sink="tests/test_sink_cuda.py"
   hopper="tests/test_hopper_cuda.py"
