@@ -50,7 +50,7 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
         "-k 'not backward_ and not varlen and not $alone and not causal' $hopper"
         "-k 'not backward_ and not varlen and not $alone and causal' $hopper"
         "-k 'backward_ and not varlen' $hopper"
-        "-k varlen $hopper")
+        "-k 'varlen and not $alone' $hopper")
   pids=()
   for i in "${!cmds[@]}"; do
     eval "timeout -s INT -k 30 $budget python -m pytest -q -m cuda -p no:cacheprovider ${cmds[$i]}" \
