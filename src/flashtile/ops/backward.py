@@ -248,73 +248,65 @@ def _dkdv_program(start_n, b, hk, q_start, k_start, group, sq, sk, seed, args, q
     sq, sk: this sequence's rows and keys, which start at rows q_start / k_start of the tensors.
     PDL: launched as a programmatic dependent of the dQ launch that writes Delta; K and V are
     loaded while that launch drains, and gdc_wait holds the loop until its writes are visible."""
-    Q, K, V, dO = args.Q, args.K, args.V, args.dO
-    Lse, Delta, dK, dV = args.Lse, args.Delta, args.dK, args.dV
-    Slopes, stride_qb, stride_qm, stride_qh = args.Slopes, args.stride_qb, args.stride_qm, args.stride_qh
-    stride_qd, stride_kb, stride_kn, stride_kh = args.stride_qd, args.stride_kb, args.stride_kn, args.stride_kh
-    stride_kd, stride_vb, stride_vn, stride_vh = args.stride_kd, args.stride_vb, args.stride_vn, args.stride_vh
-    stride_vd, stride_dob, stride_dom, stride_doh = args.stride_vd, args.stride_dob, args.stride_dom, args.stride_doh
-    stride_dod, stride_dkb, stride_dkn, stride_dkh = args.stride_dod, args.stride_dkb, args.stride_dkn, args.stride_dkh
-    stride_dkd, stride_dvb, stride_dvn, stride_dvh = args.stride_dkd, args.stride_dvb, args.stride_dvn, args.stride_dvh
-    stride_dvd, stride_slope_b, stride_slope_h, nheads = args.stride_dvd, args.stride_slope_b, args.stride_slope_h, args.nheads
-    total_q, left, right, qk_scale = args.total_q, args.left, args.right, args.qk_scale
-    softcap, softmax_scale, threshold, dropout_scale = args.softcap, args.softmax_scale, args.threshold, args.dropout_scale
     diag_offset = sk - sq
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = head_dim_mask(offs_d, HEAD_DIM, EVEN_D)
     kv_mask = (offs_n[:, None] < sk) & d_mask
-    k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-                + (k_start + offs_n)[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(args.K + b.to(tl.int64) * args.stride_kb + hk.to(tl.int64) * args.stride_kh
+                + (k_start + offs_n)[:, None].to(tl.int64) * args.stride_kn + offs_d[None, :] * args.stride_kd,
                 mask=kv_mask, other=0.0)
-    v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-                + (k_start + offs_n)[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+    v = tl.load(args.V + b.to(tl.int64) * args.stride_vb + hk.to(tl.int64) * args.stride_vh
+                + (k_start + offs_n)[:, None].to(tl.int64) * args.stride_vn + offs_d[None, :] * args.stride_vd,
                 mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if PDL:
         gdc_wait()
-    q_doffs = offs_d[None, :] * stride_qd
-    do_doffs = offs_d[None, :] * stride_dod
+    q_doffs = offs_d[None, :] * args.stride_qd
+    do_doffs = offs_d[None, :] * args.stride_dod
     tma_b = b
     if IS_VARLEN:
         tma_b = 0
 
     # Rows that can see this key block: the block_range of keys-over-rows (offset and sides swap).
-    lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, right, left,
+    lo, full_lo, full_hi, hi = block_range(start_n, BLOCK_N, BLOCK_M, sq, -diag_offset, args.right, args.left,
                                            MODS.right, MODS.left)
     n_heads = group
     if IS_VARLEN:  # a key block past its sequence's end (the grid covers the longest) does nothing
         n_heads = tl.where(start_n < sk, group, 0)
     for g in range(0, n_heads):
         h = hk * group + g
-        bh = b * nheads + h
+        bh = b * args.nheads + h
         slope = 0.0
         if MODS.alibi:
-            slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
-        do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + tl.cast(q_start, tl.int64) * stride_dom
-        row_base = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN)
-        lse_base = Lse + row_base
-        delta_base = Delta + row_base
+            slope = tl.load(args.Slopes + b * args.stride_slope_b + h * args.stride_slope_h)
+        q_base = (args.Q + b.to(tl.int64) * args.stride_qb + h.to(tl.int64) * args.stride_qh
+                  + tl.cast(q_start, tl.int64) * args.stride_qm)
+        do_base = (args.dO + b.to(tl.int64) * args.stride_dob + h.to(tl.int64) * args.stride_doh
+                   + tl.cast(q_start, tl.int64) * args.stride_dom)
+        row_base = lse_row_base(b, h, args.nheads, sq, q_start, args.total_q, IS_VARLEN)
+        lse_base = args.Lse + row_base
+        delta_base = args.Delta + row_base
         tile = DkdvTile(k, v, q_base, do_base, tma_b, q_start, h, lse_base, delta_base, start_n, offs_n, sq,
-                        ModArgs(sk, diag_offset, left, right, qk_scale, softcap, slope), stride_qm, stride_dom,
-                        q_doffs, do_doffs, d_mask, bh, threshold, dropout_scale)
+                        ModArgs(sk, diag_offset, args.left, args.right, args.qk_scale, args.softcap, slope),
+                        args.stride_qm, args.stride_dom, q_doffs, do_doffs, d_mask, bh, args.threshold,
+                        args.dropout_scale)
         for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
             first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
             for start_m in range(first, last, BLOCK_M):
                 dk, dv = _dkdv_step(dk, dv, start_m, tile, q_desc, do_desc, seed, BLOCK_M, BLOCK_N, BLOCK_D,
                                     phase != 1, EVEN_D, USE_TMA, MODS, DOT_PRECISION, HAS_DROPOUT)
 
-    dk = dk * softmax_scale
+    dk = dk * args.softmax_scale
     if HAS_DROPOUT:
-        dv = dv * dropout_scale
-    tl.store(dK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-             + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(dK.dtype.element_ty), mask=kv_mask)
-    tl.store(dV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-             + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd,
-             dv.to(dV.dtype.element_ty), mask=kv_mask)
+        dv = dv * args.dropout_scale
+    tl.store(args.dK + b.to(tl.int64) * args.stride_dkb + hk.to(tl.int64) * args.stride_dkh
+             + (k_start + offs_n)[:, None].to(tl.int64) * args.stride_dkn + offs_d[None, :] * args.stride_dkd,
+             dk.to(args.dK.dtype.element_ty), mask=kv_mask)
+    tl.store(args.dV + b.to(tl.int64) * args.stride_dvb + hk.to(tl.int64) * args.stride_dvh
+             + (k_start + offs_n)[:, None].to(tl.int64) * args.stride_dvn + offs_d[None, :] * args.stride_dvd,
+             dv.to(args.dV.dtype.element_ty), mask=kv_mask)
 
 
 @aggregate
@@ -397,71 +389,62 @@ def _dq_program(start_m, b, h, hk, q_start, k_start, sq, sk, seed, args, k_desc,
     sq, sk: this sequence's rows and keys, which start at rows q_start / k_start of the tensors.
     WRITE_DELTA: these rows' delta = rowsum(dO * O) is computed here (from the dO tile the program
     loads anyway) and stored for the dK/dV launch that follows, instead of read from Delta."""
-    Q, K, V, dO = args.Q, args.K, args.V, args.dO
-    Out, Lse, Delta, dQ = args.Out, args.Lse, args.Delta, args.dQ
-    Slopes, stride_qb, stride_qm, stride_qh = args.Slopes, args.stride_qb, args.stride_qm, args.stride_qh
-    stride_qd, stride_kb, stride_kn, stride_kh = args.stride_qd, args.stride_kb, args.stride_kn, args.stride_kh
-    stride_kd, stride_vb, stride_vn, stride_vh = args.stride_kd, args.stride_vb, args.stride_vn, args.stride_vh
-    stride_vd, stride_dob, stride_dom, stride_doh = args.stride_vd, args.stride_dob, args.stride_dom, args.stride_doh
-    stride_dod, stride_ob, stride_om, stride_oh = args.stride_dod, args.stride_ob, args.stride_om, args.stride_oh
-    stride_od, stride_dqb, stride_dqm, stride_dqh = args.stride_od, args.stride_dqb, args.stride_dqm, args.stride_dqh
-    stride_dqd, stride_slope_b, stride_slope_h, nheads = args.stride_dqd, args.stride_slope_b, args.stride_slope_h, args.nheads
-    total_q, left, right, qk_scale = args.total_q, args.left, args.right, args.qk_scale
-    softcap, softmax_scale, threshold, dropout_scale = args.softcap, args.softmax_scale, args.threshold, args.dropout_scale
     diag_offset = sk - sq
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = head_dim_mask(offs_d, HEAD_DIM, EVEN_D)
     row_mask = (offs_m[:, None] < sq) & d_mask
     rows = (q_start + offs_m)[:, None].to(tl.int64)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-                + rows * stride_qm + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
-    do = tl.load(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                 + rows * stride_dom + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)
-    row_base = lse_row_base(b, h, nheads, sq, q_start, total_q, IS_VARLEN)
+    q = tl.load(args.Q + b.to(tl.int64) * args.stride_qb + h.to(tl.int64) * args.stride_qh
+                + rows * args.stride_qm + offs_d[None, :] * args.stride_qd, mask=row_mask, other=0.0)
+    do = tl.load(args.dO + b.to(tl.int64) * args.stride_dob + h.to(tl.int64) * args.stride_doh
+                 + rows * args.stride_dom + offs_d[None, :] * args.stride_dod, mask=row_mask, other=0.0)
+    row_base = lse_row_base(b, h, args.nheads, sq, q_start, args.total_q, IS_VARLEN)
     if WRITE_DELTA:
-        o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                    + rows * stride_om + offs_d[None, :] * stride_od, mask=row_mask, other=0.0)
+        o = tl.load(args.Out + b.to(tl.int64) * args.stride_ob + h.to(tl.int64) * args.stride_oh
+                    + rows * args.stride_om + offs_d[None, :] * args.stride_od, mask=row_mask, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(Delta + row_base + offs_m, delta, mask=offs_m < sq)
-        lse2 = _load_lse2(Lse + row_base, offs_m, sq, True)
+        tl.store(args.Delta + row_base + offs_m, delta, mask=offs_m < sq)
+        lse2 = _load_lse2(args.Lse + row_base, offs_m, sq, True)
     else:
-        lse2, delta = _load_rows(Lse + row_base, Delta + row_base, offs_m, sq, True)
+        lse2, delta = _load_rows(args.Lse + row_base, args.Delta + row_base, offs_m, sq, True)
     slope = 0.0
     if MODS.alibi:
-        slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h)
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+        slope = tl.load(args.Slopes + b * args.stride_slope_b + h * args.stride_slope_h)
+    k_base = (args.K + b.to(tl.int64) * args.stride_kb + hk.to(tl.int64) * args.stride_kh
+              + tl.cast(k_start, tl.int64) * args.stride_kn)
+    v_base = (args.V + b.to(tl.int64) * args.stride_vb + hk.to(tl.int64) * args.stride_vh
+              + tl.cast(k_start, tl.int64) * args.stride_vn)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_doffs = offs_d[None, :] * stride_kd
-    v_doffs = offs_d[None, :] * stride_vd
+    k_doffs = offs_d[None, :] * args.stride_kd
+    v_doffs = offs_d[None, :] * args.stride_vd
     tma_b = b
     if IS_VARLEN:
         tma_b = 0
-    bh = b * nheads + h
+    bh = b * args.nheads + h
 
-    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, left, right,
+    lo, full_lo, full_hi, hi = block_range(start_m, BLOCK_M, BLOCK_N, sk, diag_offset, args.left, args.right,
                                            MODS.left, MODS.right)
     if IS_VARLEN:  # a row block past its sequence's end (the grid covers the longest) does nothing
         hi = tl.where(start_m < sq, hi, lo)
         full_lo = tl.minimum(full_lo, hi)
         full_hi = tl.minimum(full_hi, hi)
-    tile = DqTile(q, do, lse2, delta, k_base, v_base, tma_b, k_start, hk, start_m, offs_m, ModArgs(sk, diag_offset,
-                  left, right, qk_scale, softcap, slope), stride_kn, stride_vn, k_doffs, v_doffs, d_mask, bh,
-                  threshold, dropout_scale)
+    tile = DqTile(q, do, lse2, delta, k_base, v_base, tma_b, k_start, hk, start_m, offs_m,
+                  ModArgs(sk, diag_offset, args.left, args.right, args.qk_scale, args.softcap, slope), args.stride_kn,
+                  args.stride_vn, k_doffs, v_doffs, d_mask, bh, args.threshold, args.dropout_scale)
     for phase in tl.static_range(3):  # masked blocks, those every row sees whole, masked blocks
         first, last = phase_blocks(phase, lo, full_lo, full_hi, hi)
         for start_n in range(first, last, BLOCK_N):
             dq = _dq_step(dq, start_n, tile, k_desc, v_desc, seed, BLOCK_N, BLOCK_D, phase != 1, EVEN_D, USE_TMA,
                           MODS, DOT_PRECISION, HAS_DROPOUT)
 
-    dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqm \
-        + offs_d[None, :] * stride_dqd
+    dq_ptrs = args.dQ + b.to(tl.int64) * args.stride_dqb + h.to(tl.int64) * args.stride_dqh + rows * args.stride_dqm \
+        + offs_d[None, :] * args.stride_dqd
     if DQ_ADD:  # unscaled, into the caller's sum; the program owns these rows: no other adds to them
         dq += tl.load(dq_ptrs, mask=row_mask, other=0.0)
     else:
-        dq = dq * softmax_scale
-    tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=row_mask)
+        dq = dq * args.softmax_scale
+    tl.store(dq_ptrs, dq.to(args.dQ.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["batch", "sq", "sk", "total_q", "total_k", "left", "right", "threshold",
