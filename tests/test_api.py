@@ -309,3 +309,15 @@ def test_messages_name_the_callers_argument():
     with pytest.raises(TypeError, match=r"rotary_cos must have dtype in \(float32\), got torch.float64"):
         flashtile.flash_attn_with_kvcache(new, torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16), new, new,
                                           rotary_cos=cos, rotary_sin=cos, cache_seqlens=3)
+
+
+def test_backward_allocates_no_gradient_for_lse():
+    """lse is an output without a gradient: the autograd engine must not allocate and zero a tensor
+    for it on every backward (on the GPU an allocation and a memset launch of host time a call)."""
+    q, k, v = (torch.randn(1, 64, 2, 32, requires_grad=True) for _ in range(3))
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    dout = torch.ones_like(out)
+    with torch.profiler.profile() as prof:
+        out.backward(dout)
+    assert not [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zeros_like")]
+    assert q.grad is not None and k.grad is not None and v.grad is not None

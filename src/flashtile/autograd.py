@@ -266,10 +266,15 @@ class _Attention(torch.autograd.Function):
         ctx.args = (softmax_scale, window_left, window_right, softcap, backend, deterministic)
         ctx.extra = extra  # index and seed tensors only: nothing that needs a gradient
         ctx.mark_non_differentiable(lse)
+        # lse's gradient is never used: unmaterialised, the engine does not allocate and zero-fill a
+        # tensor for it on every backward (a memset launch on the GPU)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:  # nothing flowed into out
+            return (None,) * 12
         saved = ctx.saved_tensors
         with torch.no_grad():  # under create_graph=True too: the reference path would record a wrong graph
             grads = _grads(dout, saved, ctx.args, ctx.extra, _backward_impl)
