@@ -94,6 +94,7 @@ CALLS = {  # name -> the call; each launches one or more kernels
     "window-d128": lambda: _train(128, window_size=(256, 0)),
     "softcap-d128-causal": lambda: _train(128, causal=True, softcap=30.0),
     "alibi-d128-causal": lambda: _train(128, causal=True, alibi_slopes=torch.rand(8, dtype=torch.float32)),
+    "alibi-d256-causal": lambda: _train(256, causal=True, alibi_slopes=torch.rand(8, dtype=torch.float32)),
     "dropout-d128-causal": lambda: _train(128, causal=True, dropout_p=0.1),
     "deterministic-d128-causal": lambda: _train(128, causal=True, deterministic=True),
     "fp32-d64-causal": lambda: _train(64, causal=True, dtype=torch.float32),

@@ -416,6 +416,17 @@ def _bwd_sm90_consume(dk_desc, dv_desc, dq_desc, ring, call, prog, half, MODS: g
 
 
 @gluon.jit
+def _head_slope(alibi, head, MODS: gl.constexpr):
+    """The ALiBi slope of query head `head` in the scores' units (alibi: the slopes, their head
+    stride and alibi_unit_sm90's factor), or 0.0 without ALiBi."""
+    slope = 0.0
+    if MODS.alibi:
+        slopes, stride_slope_h, unit = alibi
+        slope = gl.load(slopes + head * stride_slope_h) * unit
+    return slope
+
+
+@gluon.jit
 def _bwd_sm90_step(i, dk, dv, ring, call, prog, dq_desc, half, key0, offs_n, s_zero, dq_zero, drop, alibi,
                    MODS: gl.constexpr, DEFER_DQ: gl.constexpr, HAS_PREV: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                    DETERMINISTIC: gl.constexpr):
@@ -462,10 +473,7 @@ def _bwd_sm90_step(i, dk, dv, ring, call, prog, dq_desc, half, key0, offs_n, s_z
         seed, bh0, threshold, _, delta_unit = drop
         w0, w1 = dropout_words_sm90(seed, bh0 + i // n_m, start_m, key0, BLOCK_M, HALF_N, True)
         keep_words = (dropout_keep_bits_sm90(w0, threshold), dropout_keep_bits_sm90(w1, threshold))
-    slope = 0.0
-    if MODS.alibi:
-        slopes, stride_slope_h, unit = alibi
-        slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
+    slope = _head_slope(alibi, i // n_m, MODS)
     s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
     # the forward's scores; dS takes the cap's derivative 1 - tanh^2 = 4 r (1 - r). S^T: keys along
     # its rows, queries along its columns
@@ -604,10 +612,7 @@ def _bwd_sm90_step_split(i, dk, dv, ring, call, prog, dq_desc, half, dq_zero, dr
     if HAS_DROPOUT:
         seed, bh0, threshold, dropout_scale, _ = drop
         words = dropout_words_sm90(seed, bh0 + i // n_m, start_m, start_n + half * OWN_N, BLOCK_M, OWN_N, False)
-    slope = 0.0
-    if MODS.alibi:
-        slopes, stride_slope_h, unit = alibi
-        slope = gl.load(slopes + (i // n_m) * stride_slope_h) * unit
+    slope = _head_slope(alibi, i // n_m, MODS)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     # the forward's scores; dS takes the cap's derivative
     queries = start_m + diag_offset + gl.arange(0, BLOCK_M, layout=row_layout)
