@@ -329,20 +329,36 @@ def test_decoding_combine_waits_for_the_split_kernel():
     assert not memory_ops("combine", 128)["waits_before_loads"]
 
 
+def _fingerprint(tmp_path, only: str) -> dict:
+    """tests/sass_fingerprint.py's record of the calls whose names hold `only`, compiled in a process
+    of its own (the test process runs triton's interpreter)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(HERE, "..", "src"), env.get("PYTHONPATH")]))
+    out = tmp_path / "fingerprint.json"
+    run = subprocess.run([sys.executable, os.path.join(HERE, "sass_fingerprint.py"), str(out), "--only", only],
+                         capture_output=True, text=True, env=env)
+    if "ptxas" in run.stderr and "not found" in run.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@EXHAUSTIVE
+def test_every_fingerprinted_call_compiles_for_sm90(tmp_path):
+    """Every launch of the calls in tests/sass_fingerprint.py (dense, window, softcap, ALiBi,
+    dropout, deterministic, fp32, varlen, decoding), made through the API as on an H100, compiles
+    for sm_90 with the binder's own specialisation."""
+    launches = _fingerprint(tmp_path, "")
+    assert {"_fwd_kernel_sm90", "_bwd_kernel_sm90", "_fwd_kernel", "_bwd_kernel"} <= {
+        row["kernel"] for rows in launches.values() for row in rows}, launches
+
+
 def test_decoding_calls_compile_for_sm90(tmp_path):
     """Every launch of decoding calls made through the API as on an H100 (tests/sass_fingerprint.py:
     the real binder and specialisation, so the launch's unaligned twin too) compiles for sm_90. A
     speculative step's two query rows make the lse's head stride 2: the twin that no longer took
     any stride as a multiple of 16 left the Gluon warp kernel's cp.async copies of the cache at 2
     bytes, which ptxas refused (ops.decode_sm90's aligned_strides)."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(HERE, "..", "src"), env.get("PYTHONPATH")]))
-    out = tmp_path / "decode.json"
-    run = subprocess.run([sys.executable, os.path.join(HERE, "sass_fingerprint.py"), str(out), "--only", "decode"],
-                         capture_output=True, text=True, env=env)
-    if "ptxas" in run.stderr and "not found" in run.stderr:
-        pytest.skip("no ptxas in this triton install")
-    assert run.returncode == 0, run.stderr[-3000:]
-    launches = json.loads(out.read_text())
+    launches = _fingerprint(tmp_path, "decode")
     assert launches["decode-d128-spec2-append"][0]["kernel"] == "_split_kernel_warps", launches
     assert all(row["spill_bytes"] == 0 for rows in launches.values() for row in rows), launches
