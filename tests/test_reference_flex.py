@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+import flashtile
 from flashtile.reference import flex
 
 flex_attention = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -117,3 +118,44 @@ def test_gradients_of_inputs_and_captured_tensors():
                               mask_mod=lambda b, h, qi, ki: qi >= ki)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, table))
+
+
+def _same_block_mask(got, want):
+    assert got.BLOCK_SIZE == want.BLOCK_SIZE and tuple(got.seq_lengths) == tuple(want.seq_lengths)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for num, name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                      ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        rank = torch.arange(getattr(got, name).shape[-1])
+        listed = rank < getattr(got, num)[..., None]  # past a row's count the indices mean nothing
+        assert torch.equal(torch.where(listed, getattr(got, name), -1), torch.where(listed, getattr(want, name), -1)), name
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding-window", "prefix-lm", "document", "dilated-window",
+                                  "empty-rows"])
+@pytest.mark.parametrize("lengths", [(200, 200), (130, 300)], ids=["200x200", "130x300"])
+def test_create_block_mask_equals_torchs(name, lengths, monkeypatch):
+    """flashtile.create_block_mask gives torch's BlockMask, field for field, evaluated a band of
+    query blocks at a time (a band of one block here: BAND_ELEMENTS lowered)."""
+    import flashtile.flex
+
+    mask_mod = _mods()[name][1]
+    sq, sk = lengths
+    if name == "document" and sq != sk:
+        pytest.skip("document ids are per position of one length")
+    want = flex_attention.create_block_mask(mask_mod, B, H, sq, sk, device="cpu", BLOCK_SIZE=32)
+    monkeypatch.setattr(flashtile.flex, "BAND_ELEMENTS", 1)
+    got = flashtile.create_block_mask(mask_mod, B, H, sq, sk, device="cpu", BLOCK_SIZE=32)
+    _same_block_mask(got, want)
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (sq, sk, sk))
+    torch.testing.assert_close(flex.attention(q, k, v, block_mask=got)[0], flex.attention(q, k, v, block_mask=want)[0],
+                               atol=0, rtol=0)
+
+
+def test_create_block_mask_broadcasts_and_checks():
+    causal = _mods()["causal"][1]
+    got = flashtile.create_block_mask(causal, None, None, 100, 100, device="cpu", BLOCK_SIZE=(16, 32))
+    _same_block_mask(got, flex_attention.create_block_mask(causal, None, None, 100, 100, device="cpu",
+                                                           BLOCK_SIZE=(16, 32)))
+    with pytest.raises(ValueError, match="KV_LEN"):
+        flashtile.create_block_mask(causal, 1, 1, 100, 0, device="cpu")

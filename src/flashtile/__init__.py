@@ -18,6 +18,7 @@ from flashtile.api import (
     scaled_dot_product_attention,
     use_backend,
 )
+from flashtile.flex import create_block_mask
 from flashtile.kvcache import KVCache, PagedKVCache
 from flashtile.padding import pad_input, unpad_input
 
