@@ -134,9 +134,10 @@ def _same_block_mask(got, want):
 @pytest.mark.parametrize("name", ["causal", "sliding-window", "prefix-lm", "document", "dilated-window",
                                   "empty-rows"])
 @pytest.mark.parametrize("lengths", [(200, 200), (130, 300)], ids=["200x200", "130x300"])
-def test_create_block_mask_equals_torchs(name, lengths, monkeypatch):
-    """flashtile.create_block_mask gives torch's BlockMask, field for field, evaluated a band of
-    query blocks at a time (a band of one block here: BAND_ELEMENTS lowered)."""
+@pytest.mark.parametrize("band", [1, 3 * B * H * 32 * 320, None], ids=["block", "3-rows", "default"])
+def test_create_block_mask_equals_torchs(name, lengths, band, monkeypatch):
+    """flashtile.create_block_mask gives torch's BlockMask, field for field, however the mask is
+    cut into bands: a block at a time, three rows of blocks, or all of it."""
     import flashtile.flex
 
     mask_mod = _mods()[name][1]
@@ -144,7 +145,8 @@ def test_create_block_mask_equals_torchs(name, lengths, monkeypatch):
     if name == "document" and sq != sk:
         pytest.skip("document ids are per position of one length")
     want = flex_attention.create_block_mask(mask_mod, B, H, sq, sk, device="cpu", BLOCK_SIZE=32)
-    monkeypatch.setattr(flashtile.flex, "BAND_ELEMENTS", 1)
+    if band is not None:
+        monkeypatch.setattr(flashtile.flex, "BAND_ELEMENTS", band)
     got = flashtile.create_block_mask(mask_mod, B, H, sq, sk, device="cpu", BLOCK_SIZE=32)
     _same_block_mask(got, want)
     q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (sq, sk, sk))

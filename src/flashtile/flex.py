@@ -3,7 +3,8 @@
 `create_block_mask` is torch's function with torch's contract and result (a
 `torch.nn.attention.flex_attention.BlockMask`, usable with torch's flex_attention too), built
 without the (B, H, Q_LEN, KV_LEN) mask: the mask mod is evaluated a band of query blocks at a
-time, on the device given, and each band is reduced to its blocks at once.
+time (or a band of key blocks of one query block, for long keys), on the device given, and each
+band is reduced to its blocks at once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-# elements of mask evaluated at once: one band of query blocks (B x H x rows x KV_LEN booleans)
+# elements of the mask evaluated at once, at least one block of every batch and head: a band of query
+# blocks with every key, or one query block and a band of key blocks
 BAND_ELEMENTS = 1 << 24
 
 
@@ -42,19 +44,25 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_
     kv_pad = n_kv * kv_block
     bi = torch.arange(b, device=device)[:, None, None, None]
     hi = torch.arange(h, device=device)[None, :, None, None]
-    ki = torch.arange(kv_pad, device=device)[None, None, None, :]
-    ki_in = ki.clamp(max=KV_LEN - 1)  # the mod sees positions inside the lengths only (it may index by them)
-    band = max(1, BAND_ELEMENTS // (b * h * q_block * kv_pad))  # query blocks a band
+    # a band: q_band query blocks x kv_band key blocks of every batch and head
+    q_band = max(1, BAND_ELEMENTS // (b * h * q_block * kv_pad))
+    kv_band = n_kv if q_band > 1 else max(1, BAND_ELEMENTS // (b * h * q_block * kv_block))
     partial = torch.empty(b, h, n_q, n_kv, dtype=torch.bool, device=device)
     full = torch.empty_like(partial)
-    for first in range(0, n_q, band):
-        blocks = min(band, n_q - first)
-        qi = torch.arange(first * q_block, (first + blocks) * q_block, device=device)[None, None, :, None]
-        mask = torch.broadcast_to(mask_mod(bi, hi, qi.clamp(max=Q_LEN - 1), ki_in), (b, h, blocks * q_block, kv_pad))
-        mask = mask & (qi < Q_LEN) & (ki < KV_LEN)  # positions past the lengths are masked
-        counts = mask.view(b, h, blocks, q_block, n_kv, kv_block).sum(dim=(3, 5))
-        full[:, :, first:first + blocks] = counts == q_block * kv_block
-        partial[:, :, first:first + blocks] = (counts > 0) & ~full[:, :, first:first + blocks]
+    for q0 in range(0, n_q, q_band):
+        nq = min(q_band, n_q - q0)
+        qi = torch.arange(q0 * q_block, (q0 + nq) * q_block, device=device)[None, None, :, None]
+        for k0 in range(0, n_kv, kv_band):
+            nk = min(kv_band, n_kv - k0)
+            ki = torch.arange(k0 * kv_block, (k0 + nk) * kv_block, device=device)[None, None, None, :]
+            # the mod sees positions inside the lengths only (it may index by them); the others are masked
+            mask = torch.broadcast_to(mask_mod(bi, hi, qi.clamp(max=Q_LEN - 1), ki.clamp(max=KV_LEN - 1)),
+                                      (b, h, nq * q_block, nk * kv_block))
+            mask = mask & (qi < Q_LEN) & (ki < KV_LEN)
+            counts = mask.reshape(b, h, nq, q_block, nk, kv_block).sum(dim=(3, 5))
+            whole = counts == q_block * kv_block
+            full[:, :, q0:q0 + nq, k0:k0 + nk] = whole
+            partial[:, :, q0:q0 + nq, k0:k0 + nk] = (counts > 0) & ~whole
     from torch.nn.attention.flex_attention import BlockMask
 
     kv_num, kv_indices = _ordered(partial)
