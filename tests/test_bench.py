@@ -466,3 +466,25 @@ def test_prefill_small_section_rows_and_targets(tmp_path, monkeypatch):
     assert "| 8, 64, 2, 16 | 100 / 95 | 120 / 90 | 90 / 88 | 300 / 260 | 290 | 250 | 100 / 200 | met | missed |" in table
     # the packed rows beside SDPA on the same tokens as a dense batch
     assert "| varlen 8, 64, 2, 16 | 100 / 95 | - | 90 / 88 | 300 / 260 | - | 250 | 100 / 200 | met | met |" in table
+
+
+def test_launches_stubbed_reaches_every_kernel_module(monkeypatch):
+    """bench.small.launches_stubbed makes the cached launches of every kernel a no-op while it runs
+    and restores them after: the portable and the Hopper kernels of each pass, the delta kernel
+    and both split kernels (it once looked in forward, backward and decode only, so the Hopper
+    kernels kept launching in the 'launches stubbed' rows)."""
+    from flashtile.bench import small
+    from flashtile.ops import backward, backward_sm90, decode, decode_sm90, forward, forward_sm90, preprocess
+
+    def run(*args):
+        raise AssertionError("a real launch inside launches_stubbed")
+
+    kernels = [forward._fwd_kernel, forward_sm90._fwd_kernel_sm90, backward._bwd_kernel,
+               backward_sm90._bwd_kernel_sm90, preprocess._delta_kernel, decode._split_kernel,
+               decode_sm90._split_kernel_warps, decode._combine_kernel]
+    for k in kernels:
+        monkeypatch.setattr(k, "_flashtile_launches", {"key": (run, "function", (), (), None)}, raising=False)
+    with small.launches_stubbed():
+        for k in kernels:
+            k._flashtile_launches["key"][0]("grid", "stream")  # the no-op
+    assert all(k._flashtile_launches["key"][0] is run for k in kernels)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 
 import torch
 
@@ -36,9 +37,12 @@ VARLEN_SHAPES = ((8, 1024, 16, 128, True), (64, 128, 16, 128, True))
 def launches_stubbed():
     """Every launch flashtile has compiled and cached (ops._launch) a no-op while the block runs:
     what a call then costs is its host path. Run the calls once before, so that they are cached."""
-    from flashtile.ops import _launch, backward, decode, forward
+    from flashtile.ops import _launch
 
-    kernels = [k for m in (forward, backward, decode) for k in vars(m).values() if hasattr(k, "_flashtile_launches")]
+    # every kernel module loaded (a kernel that launched is loaded), each kernel once however many
+    # modules import it
+    kernels = list({id(k): k for name, m in list(sys.modules.items()) if name.startswith("flashtile.ops.")
+                    for k in vars(m).values() if hasattr(k, "_flashtile_launches")}.values())
     kernels += [k._flashtile_unaligned for k in kernels if hasattr(k, "_flashtile_unaligned")]
     saved = [(k, dict(k._flashtile_launches)) for k in kernels]
     # the planned launches keep the last call's compiled launcher bound: unbind them, so that they
