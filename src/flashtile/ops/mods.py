@@ -192,3 +192,27 @@ def alibi_unit_sm90(qk_scale, MODS: gl.constexpr):
     products, scaled by qk_scale = softmax_scale log2(e) only after the max (log2(e) / qk_scale)."""
     return LOG2E if MODS.softcap else LOG2E / qk_scale
 
+
+
+# Integer helpers of the generated user mods (ops.mod_compiler): torch's semantics where Triton's
+# operators differ (// and % truncate toward zero in Triton, floor in torch)
+@triton.jit
+def floor_div(a, b):
+    q = a // b
+    return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def py_remainder(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def sign(x):
+    return tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)
+
+
+@triton.jit
+def trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
