@@ -148,12 +148,9 @@ class _Writer:
         return _literal(a)
 
     def capture_of(self, node) -> int:
+        """The number of the captured tensor node reads (compile_mods laid every capture out first)."""
         tensor = getattr(self.gm, node.target)
-        for i, t in enumerate(self.captures):
-            if t is tensor:
-                return i
-        self.captures.append(tensor)
-        return len(self.captures) - 1
+        return next(i for i, t in enumerate(self.captures) if t is tensor)
 
     def table(self, capture: int, slot: int) -> str:
         return f"tl.load(data + {self.table_at[capture] + slot})"
@@ -204,12 +201,9 @@ class _Writer:
                                                       f"{raw}), 0), {size} - 1)")
                 parts.append(f"{clamped} * {self.table(c, 1 + nd + dim)}")
             offset = self.emit(f"{name}_off", " + ".join(parts))
-            base = f"tl.load(data + {self.table_at[c]}).to(tl.pointer_type({_TL_DTYPES[t.dtype]}))"
-            if t.dtype == torch.bool:
-                base = f"tl.load(data + {self.table_at[c]}).to(tl.pointer_type(tl.int8))"
-                self.value[node] = self.emit(name, f"tl.load({base} + {offset}) != 0")
-            else:
-                self.value[node] = self.emit(name, f"tl.load({base} + {offset})")
+            element = "tl.int8" if t.dtype == torch.bool else _TL_DTYPES[t.dtype]  # a bool is a byte
+            loaded = f"tl.load(tl.load(data + {self.table_at[c]}).to(tl.pointer_type({element})) + {offset})"
+            self.value[node] = self.emit(name, f"{loaded} != 0" if t.dtype == torch.bool else loaded)
             self.loads[node] = (c, offset)
             return
         if aten in ("scalar_tensor", "full"):
@@ -288,33 +282,33 @@ class _Writer:
                               "exp/log/tanh/sigmoid/..., and indexing captured tensors")
 
 
-# reverse-mode rules: aten name -> [(argument position, adjoint expression)] over g (the node's
-# adjoint), y (its value) and a0, a1, ... (its arguments)
+# reverse-mode rules: aten name -> [(argument position, adjoint expression)] over {g} (the node's
+# adjoint), {y} (its value) and {a0}, {a1}, ... (its arguments)
 _ADJOINTS = {
-    "add": [(0, "g"), (1, "g")],
-    "sub": [(0, "g"), (1, "-g")],
-    "rsub": [(0, "-g"), (1, "g")],
-    "mul": [(0, "g * a1"), (1, "g * a0")],
-    "div": [(0, "g / a1"), (1, "-g * a0 / (a1 * a1)")],
-    "neg": [(0, "-g")],
-    "exp": [(0, "g * y")],
-    "exp2": [(0, "g * y * 0.6931471805599453")],
-    "log": [(0, "g / a0")],
-    "log2": [(0, "g / (a0 * 0.6931471805599453)")],
-    "tanh": [(0, "g * (1.0 - y * y)")],
-    "sigmoid": [(0, "g * y * (1.0 - y)")],
-    "sqrt": [(0, "g * 0.5 / y")],
-    "rsqrt": [(0, "g * -0.5 * y * y * y")],
-    "sin": [(0, "g * tl.cos(a0)")],
-    "cos": [(0, "-g * tl.sin(a0)")],
-    "reciprocal": [(0, "-g * y * y")],
-    "abs": [(0, "g * sign(a0)")],
-    "relu": [(0, "tl.where(a0 > 0, g, 0.0)")],
-    "where": [(1, "tl.where(a0, g, 0.0)"), (2, "tl.where(a0, 0.0, g)")],
-    "maximum": [(0, "tl.where(a0 > a1, g, tl.where(a0 == a1, 0.5 * g, 0.0))"),
-                (1, "tl.where(a1 > a0, g, tl.where(a0 == a1, 0.5 * g, 0.0))")],
-    "minimum": [(0, "tl.where(a0 < a1, g, tl.where(a0 == a1, 0.5 * g, 0.0))"),
-                (1, "tl.where(a1 < a0, g, tl.where(a0 == a1, 0.5 * g, 0.0))")],
+    "add": [(0, "{g}"), (1, "{g}")],
+    "sub": [(0, "{g}"), (1, "-{g}")],
+    "rsub": [(0, "-{g}"), (1, "{g}")],
+    "mul": [(0, "{g} * {a1}"), (1, "{g} * {a0}")],
+    "div": [(0, "{g} / {a1}"), (1, "-{g} * {a0} / ({a1} * {a1})")],
+    "neg": [(0, "-{g}")],
+    "exp": [(0, "{g} * {y}")],
+    "exp2": [(0, "{g} * {y} * 0.6931471805599453")],
+    "log": [(0, "{g} / {a0}")],
+    "log2": [(0, "{g} / ({a0} * 0.6931471805599453)")],
+    "tanh": [(0, "{g} * (1.0 - {y} * {y})")],
+    "sigmoid": [(0, "{g} * {y} * (1.0 - {y})")],
+    "sqrt": [(0, "{g} * 0.5 / {y}")],
+    "rsqrt": [(0, "{g} * -0.5 * {y} * {y} * {y}")],
+    "sin": [(0, "{g} * tl.cos({a0})")],
+    "cos": [(0, "-{g} * tl.sin({a0})")],
+    "reciprocal": [(0, "-{g} * {y} * {y}")],
+    "abs": [(0, "{g} * sign({a0})")],
+    "relu": [(0, "tl.where({a0} > 0, {g}, 0.0)")],
+    "where": [(1, "tl.where({a0}, {g}, 0.0)"), (2, "tl.where({a0}, 0.0, {g})")],
+    "maximum": [(0, "tl.where({a0} > {a1}, {g}, tl.where({a0} == {a1}, 0.5 * {g}, 0.0))"),
+                (1, "tl.where({a1} > {a0}, {g}, tl.where({a0} == {a1}, 0.5 * {g}, 0.0))")],
+    "minimum": [(0, "tl.where({a0} < {a1}, {g}, tl.where({a0} == {a1}, 0.5 * {g}, 0.0))"),
+                (1, "tl.where({a1} < {a0}, {g}, tl.where({a0} == {a1}, 0.5 * {g}, 0.0))")],
     "floor": [], "ceil": [], "sign": [], "zeros_like": [], "ones_like": [], "full_like": [],
 }
 _PASS_THROUGH = _IDENTITY | {"clamp", "clamp_min", "clamp_max", "pow"}
@@ -381,11 +375,7 @@ def _adjoint_lines(w: _Writer, out_node, score_node, grad_at: dict) -> list:
         for i, template in _ADJOINTS[aten]:
             a = n.args[i] if i < len(n.args) else None
             if isinstance(a, torch.fx.Node):
-                expr = template
-                for k in sorted(subs, key=len, reverse=True):
-                    expr = expr.replace(k, f"__{k}__")
-                for k, v in subs.items():
-                    expr = expr.replace(f"__{k}__", f"({v})")
+                expr = template.format(**{k: f"({v})" for k, v in subs.items()})
                 add_to(a, expr)
     lines.append(f"    d_score = {adj.get(score_node, '0.0 * grad')}")
     return lines
