@@ -15,8 +15,6 @@ import triton.language as tl
 from flashtile.ops import mod_compiler
 from flashtile.ops.mod_compiler import ModCompileError, compile_mods, grad_buffer, table_entries
 
-pytestmark = pytest.mark.interpret
-
 M, N, B_IDX, H_IDX = 32, 32, 1, 2  # square: the transposed block stores at the same places
 
 
@@ -42,17 +40,18 @@ def _evaluate(S, G, Out, DS, Data, b, h, sq, sk, M: tl.constexpr, N: tl.constexp
         tl.store(Out + at, MASK(b, h, q, kv, Data).to(tl.float32))
 
 
-def _run(score_mod=None, mask_mod=None, transposed=False, sq=M, sk=N):
-    """(out, dscore, {capture: grad}) from the compiled mods, and the same from torch."""
+def _run(score_mod=None, mask_mod=None, transposed=False, sq=M, sk=N, device="cpu"):
+    """(out, dscore, {capture: grad}) from the compiled mods, and the same from torch; the mods' captures
+    on device."""
     mods = compile_mods(score_mod, mask_mod, 0, need_grad=True)
     grads = {i: grad_buffer(t) for i, t in enumerate(mods.captures) if mods.grad_at[i] >= 0}
-    data = torch.tensor(table_entries(mods, grads) or [0], dtype=torch.int64)
-    s, g = torch.randn(M, N) * 3, torch.randn(M, N)
-    out, ds = torch.full((M, N), float("nan")), torch.full((M, N), float("nan"))
+    data = torch.tensor(table_entries(mods, grads) or [0], dtype=torch.int64, device=device)
+    s, g = torch.randn(M, N, device=device) * 3, torch.randn(M, N, device=device)
+    out, ds = (torch.full((M, N), float("nan"), device=device) for _ in range(2))
     _evaluate[(1,)](s, g, out, ds, data, B_IDX, H_IDX, sq, sk, M, N, transposed, mods.score, mods.score_grad,
                     mods.mask)
-    q, kv = torch.arange(M)[:, None], torch.arange(N)[None, :]
-    b, h = torch.tensor(B_IDX), torch.tensor(H_IDX)
+    q, kv = torch.arange(M, device=device)[:, None], torch.arange(N, device=device)[None, :]
+    b, h = torch.tensor(B_IDX, device=device), torch.tensor(H_IDX, device=device)
     if score_mod is None:
         return out.bool(), torch.broadcast_to(mask_mod(b, h, q, kv), (M, N))
     leaves = [t for t in mods.captures if t.requires_grad]
@@ -69,11 +68,11 @@ def _close(a, b, tol=1e-5):
     assert torch.where(same_inf, 0.0, (a - b).abs()).max() <= tol * (1 + b[~same_inf].abs().max())
 
 
-def _score_mods():
+def _score_mods(device="cpu"):
     torch.manual_seed(1)
-    slopes = torch.rand(4, requires_grad=True)
-    table = torch.randn(4, 2 * 64 - 1, requires_grad=True)
-    per_batch = torch.randn(3, 4, requires_grad=True)
+    slopes = torch.rand(4, device=device, requires_grad=True)
+    table = torch.randn(4, 2 * 64 - 1, device=device, requires_grad=True)
+    per_batch = torch.randn(3, 4, device=device, requires_grad=True)
     return {
         "softcap": lambda s, b, h, q, k: 20.0 * torch.tanh(s / 20.0),
         "alibi, learnable slopes": lambda s, b, h, q, k: s - slopes[h] * (q - k).abs(),
@@ -81,11 +80,12 @@ def _score_mods():
         "causal by score": lambda s, b, h, q, k: torch.where(q >= k, s, -float("inf")),
         "per (batch, head) scale": lambda s, b, h, q, k: s * torch.sigmoid(per_batch[b, h]),
         "mixed": lambda s, b, h, q, k: torch.clamp(s, -4.0, 4.0) * 0.5 + torch.exp(-(q - k).abs() / 8.0)
-        + torch.sqrt(s * s + 1.0) - torch.maximum(s, torch.zeros_like(s)) + (s ** 2) / 10,
+        + torch.sqrt(s * s + 1.0) - torch.maximum(s, torch.zeros_like(s)) + (s ** 2) / 10 + s.abs() * 0.3,
         "integer arithmetic": lambda s, b, h, q, k: s + ((q - k) // 3) * 0.25 + torch.remainder(q - k, 5) * 0.125,
     }
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 @pytest.mark.parametrize("name", list(_score_mods()))
 def test_score_mod_values_derivative_and_captured_gradients(name, transposed):
@@ -98,10 +98,10 @@ def test_score_mod_values_derivative_and_captured_gradients(name, transposed):
         _close(got, want, 1e-4)  # sums of a block, in another order
 
 
-def _mask_mods():
-    prefix = torch.tensor([5, 9, 12])
-    doc = torch.tensor([0] * 7 + [1] * 11 + [2] * 14)
-    tree = torch.rand(M, N) < 0.4  # a speculative-decoding tree: which draft token sees which
+def _mask_mods(device="cpu"):
+    prefix = torch.tensor([5, 9, 12], device=device)
+    doc = torch.tensor([0] * 7 + [1] * 11 + [2] * 14, device=device)
+    tree = torch.rand(M, N, device=device) < 0.4  # a speculative-decoding tree: which draft token sees which
     return {
         "causal": lambda b, h, q, k: q >= k,
         "sliding window": lambda b, h, q, k: (q >= k) & (q - k <= 6),
@@ -116,12 +116,14 @@ def _mask_mods():
     }
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("name", list(_mask_mods()))
 def test_mask_mods(name):
     got, want = _run(mask_mod=_mask_mods()[name])
     assert torch.equal(got, want)
 
 
+@pytest.mark.interpret
 def test_indices_past_a_captured_tensor_are_clamped():
     """Block padding reaches past the lengths: an index past a captured tensor reads its last
     element (the score there is masked anyway), a negative one counts from the end, as torch's;
@@ -215,3 +217,19 @@ def test_every_mod_compiles_for_sm90():
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) == 2 * (len(_score_mods()) + len(_mask_mods()))
+
+
+@pytest.mark.cuda
+def test_every_mod_on_the_gpu():
+    """The same checks with the kernels' real code on a GPU: values, derivative, captured gradients
+    (atomic adds) and masks."""
+    for name, mod in _score_mods("cuda").items():
+        (out, ds, grads), (ref, ref_ds, ref_grads) = _run(mod, sq=13, sk=29, device="cuda")
+        valid = (torch.arange(M, device="cuda")[:, None] < 13) & (torch.arange(N, device="cuda")[None, :] < 29)
+        _close(out, ref, 1e-4)
+        _close(torch.where(valid, ds, 0.0), ref_ds, 1e-4)
+        for got, want in zip(grads, ref_grads, strict=True):
+            _close(got, want, 1e-4)
+    for name, mod in _mask_mods("cuda").items():
+        got, want = _run(mask_mod=mod, device="cuda")
+        assert torch.equal(got, want), name
